@@ -1,0 +1,1 @@
+"""Face and person re-identification training with sharded margin-softmax heads."""

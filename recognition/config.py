@@ -1,0 +1,445 @@
+"""Typed experiment configuration: nested dataclasses loaded from YAML.
+
+A config file is a YAML mapping whose sections mirror the dataclasses below. A file may
+name a `base:` file (relative to itself) that it overrides key by key, so each experiment
+is a short file over one base. Command-line overrides use dotted names
+(`head.margin=cosface optim.lr=0.05`); their values are parsed as YAML scalars.
+
+Unknown keys, wrong types and bad combinations raise `ConfigError` with the dotted key.
+Derived quantities (total steps, warmup steps) are computed where they are used and never
+written back here, so the saved `config.yaml` is exactly what the user asked for.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+MARGIN_NAMES = ("arcface", "cosface", "sphereface", "am_softmax", "combined")
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, has the wrong type, or conflicts with another key."""
+
+
+@dataclass
+class SyntheticConfig:
+    """The built-in synthetic dataset, generated under `root` on first use when enabled."""
+
+    enabled: bool = False
+    root: str = "data/synthetic"
+    num_identities: int = 400
+    images_per_identity: int = 24
+    num_val_identities: int = 100
+    val_images_per_identity: int = 10
+    num_folds: int = 10
+    pairs_per_fold: int = 60
+    image_size: int = 112
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_identities", "images_per_identity", "num_val_identities",
+                     "num_folds", "pairs_per_fold", "image_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"data.synthetic.{name}: must be at least 1")
+        if self.val_images_per_identity < 2:
+            raise ConfigError("data.synthetic.val_images_per_identity: must be at least 2 "
+                              "(a same-identity pair needs two images)")
+
+
+@dataclass
+class DataConfig:
+    root: str = "data/synthetic/train"
+    """An image folder (one sub-folder per identity)."""
+    image_size: int = 112
+    """Square input size in pixels; images of any size are resized to it."""
+    flip: bool = True
+    """Random horizontal flip during training."""
+    num_workers: int = 2
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+    def __post_init__(self) -> None:
+        if self.image_size < 16:
+            raise ConfigError(f"data.image_size: {self.image_size} is too small (at least 16)")
+        if self.num_workers < 0:
+            raise ConfigError("data.num_workers: must be 0 or more")
+
+
+@dataclass
+class ModelConfig:
+    backbone: str = "iresnet50"
+    embedding_size: int = 512
+    width: float = 1.0
+    """Channel multiplier of the backbone (1.0 = the published architecture)."""
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.embedding_size < 1:
+            raise ConfigError("model.embedding_size: must be at least 1")
+        if not 0.0 < self.width <= 4.0:
+            raise ConfigError(f"model.width: {self.width} is outside (0, 4]")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout: {self.dropout} is outside [0, 1)")
+
+
+@dataclass
+class HeadConfig:
+    margin: str = "arcface"
+    """arcface, cosface, sphereface, am_softmax or combined."""
+    scale: float | None = None
+    """Logit scale s; None takes the margin's default."""
+    m: float | None = None
+    """The margin of arcface / cosface / sphereface / am_softmax; None takes the default."""
+    m1: float | None = None
+    m2: float | None = None
+    m3: float | None = None
+    """Combined margin s*(cos(m1*theta + m2) - m3); only with margin=combined."""
+    sample_rate: float = 1.0
+    """Fraction of the negative classes each rank samples per step (Partial FC)."""
+    chunk_size: int | None = None
+    """Classes per logit chunk; None lets the head decide."""
+
+    def __post_init__(self) -> None:
+        if self.margin not in MARGIN_NAMES:
+            raise ConfigError(
+                f"head.margin: unknown margin {self.margin!r} (choose from {', '.join(MARGIN_NAMES)})"
+            )
+        if self.margin == "combined" and self.m is not None:
+            raise ConfigError("head.m: the combined margin takes head.m1, head.m2 and head.m3")
+        if self.margin != "combined":
+            for name in ("m1", "m2", "m3"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"head.{name}: only used with head.margin=combined")
+        if self.scale is not None and self.scale <= 0:
+            raise ConfigError("head.scale: must be positive")
+        if not 0.0 < self.sample_rate <= 1.0:
+            raise ConfigError(f"head.sample_rate: {self.sample_rate} is outside (0, 1]")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ConfigError("head.chunk_size: must be at least 1 (or null)")
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["sgd", "adamw"] = "sgd"
+    lr: float = 0.1
+    """Peak learning rate, reached at the end of warmup."""
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    """Not applied to BatchNorm / PReLU weights and biases (parameters with ndim <= 1)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_epochs: float = 0.0
+    schedule: Literal["poly", "cosine", "constant"] = "poly"
+    poly_power: float = 2.0
+    min_lr: float = 0.0
+    grad_clip: float | None = 5.0
+    """Max global gradient norm; null disables clipping."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError("optim.lr: must be positive")
+        if self.weight_decay < 0:
+            raise ConfigError("optim.weight_decay: must be 0 or more")
+        if len(self.betas) != 2:
+            raise ConfigError("optim.betas: must hold two numbers")
+        if self.warmup_epochs < 0:
+            raise ConfigError("optim.warmup_epochs: must be 0 or more")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError("optim.min_lr: must lie in [0, optim.lr]")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ConfigError("optim.grad_clip: must be positive (or null to disable)")
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 128
+    """Per process."""
+    epochs: int = 20
+    max_steps: int | None = None
+    """Stop after this many optimizer steps; the schedule still spans `epochs`."""
+    accumulate_steps: int = 1
+    """Micro-batches per optimizer step; the loss is divided by this."""
+    resume: bool | str = False
+    """true: the latest checkpoint of the run directory; a path: that checkpoint."""
+    device: str = "auto"
+    log_every: int = 10
+    checkpoint_every: int | None = None
+    """Optimizer steps between checkpoints; null: at the end of every epoch."""
+    keep_checkpoints: int = 2
+    max_nonfinite_steps: int = 5
+    """Stop the run after this many non-finite losses in a row."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigError("train.batch_size: must be at least 1")
+        if self.epochs < 1:
+            raise ConfigError("train.epochs: must be at least 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError("train.max_steps: must be at least 1 (or null)")
+        if self.accumulate_steps < 1:
+            raise ConfigError("train.accumulate_steps: must be at least 1")
+        if self.log_every < 1:
+            raise ConfigError("train.log_every: must be at least 1")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ConfigError("train.checkpoint_every: must be at least 1 (or null)")
+        if self.keep_checkpoints < 1:
+            raise ConfigError("train.keep_checkpoints: must be at least 1")
+        if self.max_nonfinite_steps < 1:
+            raise ConfigError("train.max_nonfinite_steps: must be at least 1")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"train.device: {self.device!r} is not auto, cpu or cuda")
+
+
+@dataclass
+class PrecisionConfig:
+    level: Literal["O0", "O1", "O2", "O3"] = "O0"
+    dtype: Literal["fp16", "bf16"] = "bf16"
+    """The half type of O1-O3; O0 ignores it."""
+
+
+@dataclass
+class EvalTarget:
+    """A verification set: an LFW-style pairs file and the folder its names resolve in."""
+
+    pairs: str
+    images: str | None = None
+    """Image root; defaults to the folder holding the pairs file."""
+    name: str | None = None
+    """Label in tables and metric names; defaults to the pairs file's folder name."""
+
+
+@dataclass
+class EvalConfig:
+    targets: list[EvalTarget] = field(default_factory=list)
+    at_end: bool = True
+    """Evaluate every target once training ends and print the table."""
+    batch_size: int = 128
+    flip: bool = True
+    """Sum the embeddings of each image and its mirror image."""
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "experiment"
+    output_dir: str | None = None
+    """Run directory; null means runs/<name>."""
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir if self.output_dir else Path("runs") / self.name)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """A bare name resolves to configs/NAME.yaml; anything else is a path."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists() or len(path.parts) > 1:
+        if not path.is_file():
+            raise ConfigError(f"--config: no such file {str(path)!r}")
+        return path
+    candidate = CONFIG_DIR / f"{name_or_path}.yaml"
+    if not candidate.is_file():
+        known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+        raise ConfigError(
+            f"--config: no config named {name_or_path!r} in {CONFIG_DIR} "
+            f"(known: {', '.join(known) or 'none'})"
+        )
+    return candidate
+
+
+def load_config(name_or_path: str = "default", overrides: list[str] | None = None) -> ExperimentConfig:
+    """Load a config file (with its `base:` chain), apply dotted overrides, validate."""
+    path = resolve_config_path(name_or_path)
+    raw = _read_with_bases(path, seen=())
+    raw.setdefault("name", path.stem)
+    for item in overrides or []:
+        _apply_override(raw, item)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> ExperimentConfig:
+    """Build and validate an ExperimentConfig from a plain mapping."""
+    return _build(ExperimentConfig, raw, prefix="")
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: ExperimentConfig, path: Path) -> None:
+    """Write the resolved config as YAML (a file `load_config` reads back unchanged)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return data
+
+
+def _read_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: `base:` chain loops back to itself")
+    data = _read_yaml(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base: must be a file name")
+    base_path = (path.parent / base) if not Path(base).is_absolute() else Path(base)
+    if base_path.suffix == "":
+        base_path = base_path.with_suffix(".yaml")
+    if not base_path.is_file():
+        raise ConfigError(f"{path}: base: no such file {str(base_path)!r}")
+    return _deep_merge(_read_with_bases(base_path, seen + (path,)), data)
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key=value (e.g. optim.lr=0.05)")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    if not key or any(not p for p in parts):
+        raise ConfigError(f"override {item!r}: empty key")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{key}: cannot parse value {text!r}: {exc}") from exc
+    node = raw
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            where = ".".join(parts[: depth + 1])
+            raise ConfigError(f"{key}: {where} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        key = prefix + str(unknown[0])
+        raise ConfigError(f"{key}: unknown config key (known in {where}: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name in raw:
+        kwargs[name] = _convert(raw[name], hints[name], prefix + name)
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{prefix + missing[0]}: required key is missing")
+    return cls(**kwargs)
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".")
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{key}: must not be null")
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item_tp,) = get_args(tp)
+        return [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if value is None:
+        raise ConfigError(f"{key}: must not be null (expected {_type_name(tp)})")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            # YAML 1.1 reads "1e-3" (no dot) as a string; accept it as the number it means.
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"{key}: unsupported annotation {tp!r}")
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))

@@ -1,0 +1,92 @@
+"""Run logging: console and `train.log` through `logging`, `metrics.jsonl`, TensorBoard.
+
+Rank 0 logs everything; other ranks log warnings and errors only, to their own
+`train.rank<R>.log`. Scalars are all-reduced by the caller before they reach `log`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from recognition.distributed import DistInfo
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(run_dir: Path | None, dist_info: DistInfo) -> None:
+    """Route the `recognition` loggers to the console and the run's log file.
+
+    Idempotent: handlers installed by an earlier call (an earlier run in the same
+    process, as in tests) are removed first.
+    """
+    logger = logging.getLogger("recognition")
+    for handler in list(logger.handlers):
+        if getattr(handler, "_recognition", False):
+            logger.removeHandler(handler)
+            handler.close()
+    level = logging.INFO if dist_info.is_main else logging.WARNING
+    logger.setLevel(level)
+    logger.propagate = False
+    formatter = logging.Formatter(LOG_FORMAT, datefmt="%H:%M:%S")
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        name = "train.log" if dist_info.is_main else f"train.rank{dist_info.rank}.log"
+        handlers.append(logging.FileHandler(run_dir / name))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        handler.setLevel(level)
+        handler._recognition = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to metrics.jsonl and mirrors it to TensorBoard.
+
+    Does nothing on ranks other than 0, so callers need no rank checks.
+    """
+
+    def __init__(self, run_dir: Path, dist_info: DistInfo, tensorboard: bool = True):
+        self.enabled = dist_info.is_main
+        self._file = None
+        self._tb = None
+        if not self.enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # Line-buffered so a crash loses at most the line being written.
+        self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+
+    def log(self, step: int, values: dict[str, Any], prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _jsonable(v) for k, v in values.items()}}
+        assert self._file is not None
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    if key not in ("step", "epoch") and math.isfinite(value):
+                        self._tb.add_scalar(f"{prefix}/{key}", value, step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else str(value)
+    return value

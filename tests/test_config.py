@@ -1,0 +1,129 @@
+"""Config loading: YAML + base chain + dotted overrides, typed, with dotted-key errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from recognition.config import (
+    CONFIG_DIR,
+    ConfigError,
+    ExperimentConfig,
+    config_from_dict,
+    load_config,
+    save_config,
+)
+
+
+def write(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_every_shipped_config_loads():
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    assert "default" in names
+    for name in names:
+        cfg = load_config(name)
+        assert cfg.name == name
+
+
+def test_bare_name_resolves_to_configs_dir():
+    cfg = load_config("default")
+    assert cfg.name == "default"
+    assert cfg.data.synthetic.enabled
+
+
+def test_overrides_are_typed_and_dotted(tmp_path):
+    path = write(tmp_path / "exp.yaml", {"optim": {"lr": 0.1}})
+    cfg = load_config(str(path), ["head.margin=cosface", "optim.lr=0.05", "train.max_steps=7",
+                                  "optim.weight_decay=1e-4", "precision.level=O2"])
+    assert cfg.head.margin == "cosface"
+    assert cfg.optim.lr == 0.05
+    assert cfg.train.max_steps == 7
+    # YAML 1.1 reads 1e-4 as a string; a float field must still take it as a number.
+    assert cfg.optim.weight_decay == pytest.approx(1e-4)
+    assert cfg.precision.level == "O2"
+    assert cfg.name == "exp"
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("optim.lrr=0.1", "optim.lrr"),
+        ("nosuchsection.x=1", "nosuchsection"),
+        ("train.batch_size=abc", "train.batch_size"),
+        ("train.batch_size=1.5", "train.batch_size"),
+        ("head.margin=softmax", "head.margin"),
+        ("precision.level=O4", "precision.level"),
+        ("precision.dtype=fp8", "precision.dtype"),
+        ("head.sample_rate=0", "head.sample_rate"),
+        ("head.m1=1.0", "head.m1"),
+        ("train.epochs=0", "train.epochs"),
+        ("data.synthetic.bogus=1", "data.synthetic.bogus"),
+        ("model.backbone.width=2", "model.backbone"),
+        ("optim.lr", "optim.lr"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("default", [override])
+
+
+def test_bool_is_not_an_int_and_int_is_a_float():
+    with pytest.raises(ConfigError, match="train.batch_size"):
+        config_from_dict({"train": {"batch_size": True}})
+    cfg = config_from_dict({"optim": {"lr": 1}})
+    assert isinstance(cfg.optim.lr, float)
+
+
+def test_resume_takes_bool_or_path():
+    assert config_from_dict({"train": {"resume": True}}).train.resume is True
+    assert config_from_dict({"train": {"resume": "auto"}}).train.resume == "auto"
+    with pytest.raises(ConfigError, match="train.resume"):
+        config_from_dict({"train": {"resume": 3}})
+
+
+def test_base_chain_merges_sections(tmp_path):
+    write(tmp_path / "base.yaml", {"model": {"backbone": "iresnet18", "width": 0.5},
+                                   "optim": {"lr": 0.2}})
+    child = write(tmp_path / "child.yaml", {"base": "base.yaml", "model": {"width": 0.25}})
+    cfg = load_config(str(child))
+    assert cfg.model.backbone == "iresnet18"
+    assert cfg.model.width == 0.25
+    assert cfg.optim.lr == 0.2
+
+
+def test_base_loop_is_refused(tmp_path):
+    write(tmp_path / "a.yaml", {"base": "b.yaml"})
+    write(tmp_path / "b.yaml", {"base": "a.yaml"})
+    with pytest.raises(ConfigError, match="loops"):
+        load_config(str(tmp_path / "a.yaml"))
+
+
+def test_unknown_key_in_file_names_file_key(tmp_path):
+    path = write(tmp_path / "bad.yaml", {"train": {"batchsize": 3}})
+    with pytest.raises(ConfigError, match=r"train\.batchsize"):
+        load_config(str(path))
+
+
+def test_missing_config_name_lists_known():
+    with pytest.raises(ConfigError, match="known:.*default"):
+        load_config("no_such_config")
+
+
+def test_eval_targets_list_of_sections():
+    cfg = config_from_dict({"eval": {"targets": [{"pairs": "a/pairs.txt"}]}})
+    assert cfg.eval.targets[0].pairs == "a/pairs.txt"
+    with pytest.raises(ConfigError, match=r"eval\.targets\[0\]\.pairs"):
+        config_from_dict({"eval": {"targets": [{"images": "x"}]}})
+
+
+def test_saved_config_round_trips(tmp_path):
+    cfg = load_config("default", ["optim.lr=0.03", "head.margin=cosface"])
+    save_config(cfg, tmp_path / "config.yaml")
+    again = load_config(str(tmp_path / "config.yaml"))
+    assert again == cfg
+    assert isinstance(again, ExperimentConfig)

@@ -1,0 +1,66 @@
+"""Parameter groups and the warmup + decay schedule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from recognition.config import OptimConfig
+from recognition.optim import build_optimizer, build_scheduler, lr_factor, param_groups
+
+
+def test_no_weight_decay_on_bn_prelu_and_bias():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.PReLU(4), nn.Flatten(),
+                          nn.Linear(4, 2))
+    groups = param_groups([model], weight_decay=5e-4)
+    decayed = {id(p) for p in groups[0]["params"]}
+    undecayed = {id(p) for p in groups[1]["params"]}
+    assert groups[0]["weight_decay"] == 5e-4 and groups[1]["weight_decay"] == 0.0
+    assert decayed == {id(model[0].weight), id(model[4].weight)}
+    assert undecayed == {id(model[0].bias), id(model[1].weight), id(model[1].bias),
+                         id(model[2].weight), id(model[4].bias)}
+
+
+def test_shared_parameter_counted_once():
+    lin = nn.Linear(3, 3)
+    groups = param_groups([lin, lin], weight_decay=0.1)
+    assert sum(len(g["params"]) for g in groups) == 2
+
+
+def reference_lr(step, total, warmup, peak, floor, schedule, power):
+    """Written out independently of the module under test."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / (total - warmup)
+    if schedule == "poly":
+        return floor + (peak - floor) * (1 - t) ** power
+    return floor + (peak - floor) * (1 + math.cos(math.pi * t)) / 2
+
+
+@pytest.mark.parametrize("schedule", ["poly", "cosine"])
+def test_schedule_stepped_per_optimizer_step(schedule):
+    cfg = OptimConfig(lr=0.4, schedule=schedule, poly_power=2.0, min_lr=0.01)
+    param = nn.Parameter(torch.zeros(2))
+    opt = build_optimizer([{"params": [param], "weight_decay": 0.0}], cfg)
+    total, warmup = 50, 5
+    sched = build_scheduler(opt, total, warmup, cfg)
+    seen = []
+    for _ in range(total):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    expected = [reference_lr(s, total, warmup, 0.4, 0.01, schedule, 2.0) for s in range(total)]
+    assert seen == pytest.approx(expected, rel=1e-12)
+    assert max(seen) == pytest.approx(0.4)
+    assert lr_factor(total, total, warmup, cfg) == pytest.approx(0.01 / 0.4)
+
+
+def test_adamw_built_with_betas():
+    cfg = OptimConfig(name="adamw", lr=1e-3, betas=[0.8, 0.9])
+    opt = build_optimizer([{"params": [nn.Parameter(torch.zeros(1))], "weight_decay": 0.05}], cfg)
+    assert isinstance(opt, torch.optim.AdamW)
+    assert opt.param_groups[0]["betas"] == (0.8, 0.9)
+    assert opt.param_groups[0]["weight_decay"] == 0.05
