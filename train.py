@@ -14,10 +14,17 @@ from recognition.config import ConfigError, load_config
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", default="default",
-                        help="a name in configs/ (default: default) or a path to a YAML file")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="dotted config overrides, e.g. head.margin=cosface optim.lr=0.05")
+    parser.add_argument(
+        "--config",
+        default="default",
+        help="a name in configs/ (default: default) or a path to a YAML file",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted config overrides, e.g. head.margin=cosface optim.lr=0.05",
+    )
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)

@@ -109,11 +109,17 @@ def export_backbone(
     path: Path, backbone: torch.nn.Module, model_cfg: dict[str, Any], image_size: int
 ) -> None:
     """Write the backbone alone (fp32 weights and how to rebuild it) for evaluation."""
-    state = {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
-             for k, v in backbone.state_dict().items()}
+    state = {
+        k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
+        for k, v in backbone.state_dict().items()
+    }
     atomic_save(
-        {"format": BACKBONE_FORMAT, "model": model_cfg, "image_size": image_size,
-         "state_dict": state},
+        {
+            "format": BACKBONE_FORMAT,
+            "model": model_cfg,
+            "image_size": image_size,
+            "state_dict": state,
+        },
         path,
     )
 

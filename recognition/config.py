@@ -46,13 +46,21 @@ class SyntheticConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_identities", "images_per_identity", "num_val_identities",
-                     "num_folds", "pairs_per_fold", "image_size"):
+        for name in (
+            "num_identities",
+            "images_per_identity",
+            "num_val_identities",
+            "num_folds",
+            "pairs_per_fold",
+            "image_size",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"data.synthetic.{name}: must be at least 1")
         if self.val_images_per_identity < 2:
-            raise ConfigError("data.synthetic.val_images_per_identity: must be at least 2 "
-                              "(a same-identity pair needs two images)")
+            raise ConfigError(
+                "data.synthetic.val_images_per_identity: must be at least 2 "
+                "(a same-identity pair needs two images)"
+            )
 
 
 @dataclass
@@ -109,9 +117,8 @@ class HeadConfig:
 
     def __post_init__(self) -> None:
         if self.margin not in MARGIN_NAMES:
-            raise ConfigError(
-                f"head.margin: unknown margin {self.margin!r} (choose from {', '.join(MARGIN_NAMES)})"
-            )
+            choices = ", ".join(MARGIN_NAMES)
+            raise ConfigError(f"head.margin: unknown {self.margin!r} (choose from {choices})")
         if self.margin == "combined" and self.m is not None:
             raise ConfigError("head.m: the combined margin takes head.m1, head.m2 and head.m3")
         if self.margin != "combined":
@@ -265,7 +272,9 @@ def resolve_config_path(name_or_path: str) -> Path:
     return candidate
 
 
-def load_config(name_or_path: str = "default", overrides: list[str] | None = None) -> ExperimentConfig:
+def load_config(
+    name_or_path: str = "default", overrides: list[str] | None = None
+) -> ExperimentConfig:
     """Load a config file (with its `base:` chain), apply dotted overrides, validate."""
     path = resolve_config_path(name_or_path)
     raw = _read_with_bases(path, seen=())
@@ -366,7 +375,9 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     unknown = sorted(set(raw) - names)
     if unknown:
         key = prefix + str(unknown[0])
-        raise ConfigError(f"{key}: unknown config key (known in {where}: {', '.join(sorted(names))})")
+        raise ConfigError(
+            f"{key}: unknown config key (known in {where}: {', '.join(sorted(names))})"
+        )
     kwargs = {}
     for name in raw:
         kwargs[name] = _convert(raw[name], hints[name], prefix + name)

@@ -77,14 +77,24 @@ def train_step(
             loss = head(embeddings, labels)  # same scalar on every rank
         if not torch.isfinite(loss):
             precision.zero_grad(optimizer)
-            return StepResult(float(loss), finite=False, stepped=False,
-                              grad_norm=float("nan"), scale=_scale(precision))
+            return StepResult(
+                float(loss),
+                finite=False,
+                stepped=False,
+                grad_norm=float("nan"),
+                scale=_scale(precision),
+            )
         precision.backward(loss / num_micro)
         losses.append(loss.detach().float())
     result = precision.step(optimizer, max_grad_norm)
     mean_loss = float(torch.stack(losses).mean())
-    return StepResult(mean_loss, finite=True, stepped=result.stepped,
-                      grad_norm=float(result.grad_norm), scale=float(result.scale))
+    return StepResult(
+        mean_loss,
+        finite=True,
+        stepped=result.stepped,
+        grad_norm=float(result.grad_norm),
+        scale=float(result.scale),
+    )
 
 
 def train(cfg: ExperimentConfig) -> Path:
@@ -105,11 +115,16 @@ def train(cfg: ExperimentConfig) -> Path:
         distributed.barrier()
     base = ImageFolderDataset(cfg.data.root, cfg.data.image_size, train=False)
     dataset = AugmentedView(base, flip=cfg.data.flip)
-    sampler = ResumableSampler(len(base), num_replicas=dist_info.world_size,
-                               rank=dist_info.rank, seed=cfg.seed)
+    sampler = ResumableSampler(
+        len(base), num_replicas=dist_info.world_size, rank=dist_info.rank, seed=cfg.seed
+    )
     loader = DataLoader(
-        dataset, batch_size=cfg.train.batch_size, sampler=sampler, drop_last=True,
-        num_workers=cfg.data.num_workers, pin_memory=device.type == "cuda",
+        dataset,
+        batch_size=cfg.train.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=cfg.data.num_workers,
+        pin_memory=device.type == "cuda",
         persistent_workers=False,
         # Its own generator: creating an epoch's iterator must not draw from the global RNG,
         # or a run resumed mid-epoch would see different dropout / sampling draws.
@@ -124,22 +139,39 @@ def train(cfg: ExperimentConfig) -> Path:
             f"{cfg.train.accumulate_steps} x {dist_info.world_size} processes is more than "
             f"the {len(base)} training images of {cfg.data.root}"
         )
-    log.info("%d images of %d identities from %s; %d steps per epoch",
-             len(base), num_classes, cfg.data.root, steps_per_epoch)
+    log.info(
+        "%d images of %d identities from %s; %d steps per epoch",
+        len(base),
+        num_classes,
+        cfg.data.root,
+        steps_per_epoch,
+    )
     if dist_info.is_main:
         save_config(cfg, run_dir / "config.yaml")
         (run_dir / "classes.txt").write_text("\n".join(base.classes) + "\n")
 
     # ------------------------------------------------------------------ model and head
     backbone = build_backbone(
-        cfg.model.backbone, embedding_size=cfg.model.embedding_size, width=cfg.model.width,
-        dropout=cfg.model.dropout, image_size=cfg.data.image_size,
+        cfg.model.backbone,
+        embedding_size=cfg.model.embedding_size,
+        width=cfg.model.width,
+        dropout=cfg.model.dropout,
+        image_size=cfg.data.image_size,
     ).to(device)
-    margin = build_margin(cfg.head.margin, scale=cfg.head.scale, m=cfg.head.m,
-                          m1=cfg.head.m1, m2=cfg.head.m2, m3=cfg.head.m3)
+    margin = build_margin(
+        cfg.head.margin,
+        scale=cfg.head.scale,
+        m=cfg.head.m,
+        m1=cfg.head.m1,
+        m2=cfg.head.m2,
+        m3=cfg.head.m3,
+    )
     head = ShardedMarginSoftmax(
-        num_classes, cfg.model.embedding_size, margin,
-        sample_rate=cfg.head.sample_rate, chunk_size=cfg.head.chunk_size,
+        num_classes,
+        cfg.model.embedding_size,
+        margin,
+        sample_rate=cfg.head.sample_rate,
+        chunk_size=cfg.head.chunk_size,
     ).to(device)
 
     # ------------------------------------------------------------------ precision and optimizer
@@ -165,18 +197,29 @@ def train(cfg: ExperimentConfig) -> Path:
         scheduler.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
         step, epoch, batches_done = state["step"], state["epoch"], state["batches_done"]
-        log.info("resumed from %s at step %d (epoch %d, batch %d)",
-                 resume_path, step, epoch, batches_done)
+        log.info(
+            "resumed from %s at step %d (epoch %d, batch %d)",
+            resume_path,
+            step,
+            epoch,
+            batches_done,
+        )
 
     def save(step: int, epoch: int, batches_done: int) -> None:
         if not dist_info.is_main:
             return
         state = {
-            "config": config_to_dict(cfg), "step": step, "epoch": epoch,
-            "batches_done": batches_done, "backbone": backbone.state_dict(),
-            "head": head.state_dict(), "optimizer": optimizer.state_dict(),
-            "precision": precision.state_dict(), "scheduler": scheduler.state_dict(),
-            "rng": ckpt.rng_state(), "classes": list(base.classes),
+            "config": config_to_dict(cfg),
+            "step": step,
+            "epoch": epoch,
+            "batches_done": batches_done,
+            "backbone": backbone.state_dict(),
+            "head": head.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "precision": precision.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": ckpt.rng_state(),
+            "classes": list(base.classes),
         }
         ckpt.save_checkpoint(run_dir, step, state, keep=cfg.train.keep_checkpoints)
 
@@ -185,26 +228,44 @@ def train(cfg: ExperimentConfig) -> Path:
     window = _Window()
     nonfinite_in_a_row = 0
     samples_per_step = cfg.train.batch_size * cfg.train.accumulate_steps
-    log.info("training %s for %d steps (%d epochs x %d steps), precision %s/%s",
-             cfg.model.backbone, last_step, cfg.train.epochs, steps_per_epoch,
-             cfg.precision.level, cfg.precision.dtype)
+    log.info(
+        "training %s for %d steps (%d epochs x %d steps), precision %s/%s",
+        cfg.model.backbone,
+        last_step,
+        cfg.train.epochs,
+        steps_per_epoch,
+        cfg.precision.level,
+        cfg.precision.dtype,
+    )
     try:
         while step < last_step:
             sampler.set_epoch(epoch, start=batches_done * cfg.train.batch_size)
-            bar = tqdm(total=steps_per_epoch, initial=batches_done // cfg.train.accumulate_steps,
-                       desc=f"epoch {epoch}", disable=not (cfg.train.progress and dist_info.is_main),
-                       leave=False, dynamic_ncols=True)
+            bar = tqdm(
+                total=steps_per_epoch,
+                initial=batches_done // cfg.train.accumulate_steps,
+                desc=f"epoch {epoch}",
+                disable=not (cfg.train.progress and dist_info.is_main),
+                leave=False,
+                dynamic_ncols=True,
+            )
             for micro_batches in _grouped(loader, cfg.train.accumulate_steps):
-                micro_batches = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-                                 for x, y in micro_batches]
-                result = train_step(backbone, head, micro_batches, optimizer, precision,
-                                    cfg.optim.grad_clip)
+                micro_batches = [
+                    (x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                    for x, y in micro_batches
+                ]
+                result = train_step(
+                    backbone, head, micro_batches, optimizer, precision, cfg.optim.grad_clip
+                )
                 batches_done += len(micro_batches)
                 bar.update(1)
                 if not result.finite:
                     nonfinite_in_a_row += 1
-                    log.warning("step %d: non-finite loss %s, step skipped (%d in a row)",
-                                step, result.loss, nonfinite_in_a_row)
+                    log.warning(
+                        "step %d: non-finite loss %s, step skipped (%d in a row)",
+                        step,
+                        result.loss,
+                        nonfinite_in_a_row,
+                    )
                     if nonfinite_in_a_row >= cfg.train.max_nonfinite_steps:
                         raise TrainingError(
                             f"stopping: {nonfinite_in_a_row} non-finite losses in a row at step "
@@ -222,9 +283,15 @@ def train(cfg: ExperimentConfig) -> Path:
                     values.update(epoch=epoch, lr=optimizer.param_groups[0]["lr"])
                     metrics.log(step, values)
                     bar.set_postfix(loss=f"{values['loss']:.3f}")
-                    log.info("step %d/%d epoch %d loss %.4f lr %.4g %.1f samples/s",
-                             step, last_step, epoch, values["loss"], values["lr"],
-                             values["samples_per_sec"])
+                    log.info(
+                        "step %d/%d epoch %d loss %.4f lr %.4g %.1f samples/s",
+                        step,
+                        last_step,
+                        epoch,
+                        values["loss"],
+                        values["lr"],
+                        values["samples_per_sec"],
+                    )
                 end_of_epoch = batches_done >= steps_per_epoch * cfg.train.accumulate_steps
                 every = cfg.train.checkpoint_every
                 if (every and step % every == 0) or step == last_step:
@@ -241,16 +308,23 @@ def train(cfg: ExperimentConfig) -> Path:
 
     # ------------------------------------------------------------------ export and evaluation
     if dist_info.is_main:
-        ckpt.export_backbone(run_dir / "backbone.pt", backbone,
-                             dataclasses.asdict(cfg.model), cfg.data.image_size)
+        ckpt.export_backbone(
+            run_dir / "backbone.pt", backbone, dataclasses.asdict(cfg.model), cfg.data.image_size
+        )
         log.info("wrote %s", run_dir / "backbone.pt")
         if cfg.eval.at_end and cfg.eval.targets:
             from recognition.evaluation.run import evaluate_targets, report
 
             eval_backbone = _float_copy(backbone)
-            results = evaluate_targets(eval_backbone, cfg.eval.targets, cfg.data.image_size,
-                                       batch_size=cfg.eval.batch_size, flip=cfg.eval.flip,
-                                       device=device, progress=cfg.train.progress)
+            results = evaluate_targets(
+                eval_backbone,
+                cfg.eval.targets,
+                cfg.data.image_size,
+                batch_size=cfg.eval.batch_size,
+                flip=cfg.eval.flip,
+                device=device,
+                progress=cfg.train.progress,
+            )
             report(results, json_path=run_dir / "eval.json", roc_path=run_dir / "roc.png")
     distributed.barrier()
     return run_dir
@@ -326,9 +400,13 @@ def _float_copy(module: nn.Module) -> nn.Module:
 def _synthetic_spec(cfg: ExperimentConfig) -> SyntheticSpec:
     s = cfg.data.synthetic
     return SyntheticSpec(
-        num_identities=s.num_identities, images_per_identity=s.images_per_identity,
-        num_val_identities=s.num_val_identities, val_images_per_identity=s.val_images_per_identity,
-        num_folds=s.num_folds, pairs_per_fold=s.pairs_per_fold, image_size=s.image_size,
+        num_identities=s.num_identities,
+        images_per_identity=s.images_per_identity,
+        num_val_identities=s.num_val_identities,
+        val_images_per_identity=s.val_images_per_identity,
+        num_folds=s.num_folds,
+        pairs_per_fold=s.pairs_per_fold,
+        image_size=s.image_size,
         seed=s.seed,
     )
 

@@ -38,8 +38,16 @@ def test_bare_name_resolves_to_configs_dir():
 
 def test_overrides_are_typed_and_dotted(tmp_path):
     path = write(tmp_path / "exp.yaml", {"optim": {"lr": 0.1}})
-    cfg = load_config(str(path), ["head.margin=cosface", "optim.lr=0.05", "train.max_steps=7",
-                                  "optim.weight_decay=1e-4", "precision.level=O2"])
+    cfg = load_config(
+        str(path),
+        [
+            "head.margin=cosface",
+            "optim.lr=0.05",
+            "train.max_steps=7",
+            "optim.weight_decay=1e-4",
+            "precision.level=O2",
+        ],
+    )
     assert cfg.head.margin == "cosface"
     assert cfg.optim.lr == 0.05
     assert cfg.train.max_steps == 7
@@ -87,8 +95,10 @@ def test_resume_takes_bool_or_path():
 
 
 def test_base_chain_merges_sections(tmp_path):
-    write(tmp_path / "base.yaml", {"model": {"backbone": "iresnet18", "width": 0.5},
-                                   "optim": {"lr": 0.2}})
+    write(
+        tmp_path / "base.yaml",
+        {"model": {"backbone": "iresnet18", "width": 0.5}, "optim": {"lr": 0.2}},
+    )
     child = write(tmp_path / "child.yaml", {"base": "base.yaml", "model": {"width": 0.25}})
     cfg = load_config(str(child))
     assert cfg.model.backbone == "iresnet18"

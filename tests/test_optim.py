@@ -13,15 +13,21 @@ from recognition.optim import build_optimizer, build_scheduler, lr_factor, param
 
 
 def test_no_weight_decay_on_bn_prelu_and_bias():
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.PReLU(4), nn.Flatten(),
-                          nn.Linear(4, 2))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.PReLU(4), nn.Flatten(), nn.Linear(4, 2)
+    )
     groups = param_groups([model], weight_decay=5e-4)
     decayed = {id(p) for p in groups[0]["params"]}
     undecayed = {id(p) for p in groups[1]["params"]}
     assert groups[0]["weight_decay"] == 5e-4 and groups[1]["weight_decay"] == 0.0
     assert decayed == {id(model[0].weight), id(model[4].weight)}
-    assert undecayed == {id(model[0].bias), id(model[1].weight), id(model[1].bias),
-                         id(model[2].weight), id(model[4].bias)}
+    assert undecayed == {
+        id(model[0].bias),
+        id(model[1].weight),
+        id(model[1].bias),
+        id(model[2].weight),
+        id(model[4].bias),
+    }
 
 
 def test_shared_parameter_counted_once():

@@ -25,8 +25,12 @@ class ResumableSampler(Sampler[tuple[int, int]]):
             )
         # DistributedSampler only needs len() of its dataset: a range stands in for it.
         self._order = DistributedSampler(
-            range(num_samples), num_replicas=num_replicas, rank=rank, shuffle=True,
-            seed=seed, drop_last=True,
+            range(num_samples),
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=True,
+            seed=seed,
+            drop_last=True,
         )
         self.seed = seed
         self.epoch = 0

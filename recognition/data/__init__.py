@@ -1,0 +1,1 @@
+"""Datasets, dataset indexes and evaluation protocol files."""

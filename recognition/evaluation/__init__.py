@@ -1,0 +1,1 @@
+"""Verification metrics, embedding extraction and export, and their plots."""
