@@ -1,0 +1,56 @@
+"""Backbones: images in, embeddings (B, embedding_size) out.
+
+`BACKBONES` maps the config's `model.backbone` name to a constructor that takes the
+keyword-only arguments `embedding_size`, `width`, `dropout` and `image_size`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from recognition.models.iresnet import (
+    IResNet,
+    iresnet18,
+    iresnet34,
+    iresnet50,
+    iresnet100,
+    iresnet200,
+)
+from recognition.models.resnet import ReIDResNet50, resnet50_reid
+
+BACKBONES: dict[str, Callable[..., nn.Module]] = {
+    "iresnet18": iresnet18,
+    "iresnet34": iresnet34,
+    "iresnet50": iresnet50,
+    "iresnet100": iresnet100,
+    "iresnet200": iresnet200,
+    "resnet50_reid": resnet50_reid,
+}
+
+
+def build_backbone(name: str, **kwargs: object) -> nn.Module:
+    """Build the backbone called `name` (a key of BACKBONES) with keyword arguments `kwargs`.
+
+    Returns the module; raises ValueError naming `model.backbone` for an unknown name.
+    """
+    if name not in BACKBONES:
+        raise ValueError(
+            f"model.backbone: unknown backbone {name!r} (choose from {', '.join(BACKBONES)})"
+        )
+    return BACKBONES[name](**kwargs)
+
+
+__all__ = [
+    "BACKBONES",
+    "IResNet",
+    "ReIDResNet50",
+    "build_backbone",
+    "iresnet18",
+    "iresnet34",
+    "iresnet50",
+    "iresnet100",
+    "iresnet200",
+    "resnet50_reid",
+]
