@@ -78,7 +78,7 @@ def train_step(
         if not torch.isfinite(loss):
             precision.zero_grad(optimizer)
             return StepResult(
-                float(loss),
+                float(loss.detach()),
                 finite=False,
                 stepped=False,
                 grad_norm=float("nan"),

@@ -406,12 +406,20 @@ def _make_master(param: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(param.detach().to(torch.float32).clone(), requires_grad=param.requires_grad)
 
 
+_WIDE = (torch.float32, torch.float64)
+
+
 def _total_grad_norm(params: list[Tensor]) -> float:
-    """L2 norm over all `.grad`s, accumulated in fp32 so half grads cannot overflow it."""
+    """L2 norm over all `.grad`s, accumulated in at least fp32 so half grads cannot overflow it."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    if all(g.dtype == torch.float32 for g in grads):
+    if all(g.dtype == grads[0].dtype for g in grads) and grads[0].dtype in _WIDE:
         return float(torch.nn.utils.get_total_norm(grads))
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+    # fp64 stays fp64 (a float64 reference run); anything narrower is widened to fp32.
+    norms = [
+        torch.linalg.vector_norm(g, dtype=g.dtype if g.dtype in _WIDE else torch.float32)
+        for g in grads
+    ]
+    norms = [n.double() for n in norms]
     return float(torch.linalg.vector_norm(torch.stack(norms)))

@@ -15,37 +15,28 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, UnidentifiedImageError
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from recognition.data.pairs import Pairs
+from recognition.data.transforms import load_rgb, to_input_tensor
 from recognition.evaluation.verification import balanced_folds, evaluate_verification
 
 
 def load_image(path: str | os.PathLike, size: int | tuple[int, int]) -> torch.Tensor:
     """Read an image file as a (3, H, W) float32 tensor in [-1, 1].
 
-    Any PIL mode (grey, palette, RGBA, CMYK) is converted to RGB, the image is resized to
-    ``size`` = (H, W) (or a square side) with bilinear filtering, and pixels are mapped by
-    x / 127.5 - 1. Raises FileNotFoundError for a missing file and ValueError naming the
-    file when PIL cannot decode it (a corrupt or truncated JPEG).
+    Exactly the training input transform (`recognition.data.transforms`): any PIL mode
+    converted to RGB, resized to ``size`` = (H, W) (or a square side), x / 127.5 - 1.
+    Raises FileNotFoundError for a missing file and ValueError naming the file when it
+    cannot be decoded (a corrupt or truncated JPEG).
     """
     height, width = (size, size) if isinstance(size, int) else size
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"image not found: {path}")
-    try:
-        with Image.open(path) as image:
-            # convert() forces the decode, so a truncated file fails here and not later.
-            image = image.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
-        raise ValueError(f"{path}: cannot decode image: {e}") from e
-    if image.size != (width, height):
-        image = image.resize((width, height), Image.Resampling.BILINEAR)
-    pixels = torch.from_numpy(np.asarray(image, dtype=np.float32).copy())  # (H, W, 3)
-    return pixels.permute(2, 0, 1).div_(127.5).sub_(1.0)
+    return to_input_tensor(load_rgb(path), (height, width))
 
 
 class PathDataset(Dataset):

@@ -1,0 +1,135 @@
+"""The entry points on bad input: a clear message naming key / file / line, a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import evaluate
+import train
+
+
+def make_folder(root: Path, num_ids: int = 4, num_images: int = 4, size: int = 32) -> Path:
+    rng = np.random.default_rng(1)
+    for c in range(num_ids):
+        (root / f"p{c}").mkdir(parents=True)
+        for n in range(num_images):
+            pixels = rng.integers(0, 255, size=(size, size, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / f"p{c}" / f"{n}.jpg")
+    return root
+
+
+def tiny_args(data: Path, out: Path) -> list[str]:
+    return [
+        f"output_dir={out}",
+        f"data.root={data}",
+        "data.synthetic.enabled=false",
+        "data.image_size=32",
+        "data.num_workers=0",
+        "model.width=0.125",
+        "model.embedding_size=8",
+        "train.batch_size=4",
+        "train.epochs=1",
+        "train.progress=false",
+        "eval.targets=[]",
+    ]
+
+
+def test_unknown_config_key(capsys):
+    assert train.main(["--config", "default", "optim.lrr=0.1"]) == 2
+    assert "optim.lrr" in capsys.readouterr().err
+
+
+def test_unknown_config_name(capsys):
+    assert train.main(["--config", "nonexistent"]) == 2
+    assert "nonexistent" in capsys.readouterr().err
+
+
+def test_corrupt_jpeg_is_named_and_the_run_stops(tmp_path, capsys):
+    data = make_folder(tmp_path / "data")
+    bad = data / "p2" / "1.jpg"
+    bad.write_bytes(bad.read_bytes()[:200])  # truncated
+    assert train.main(tiny_args(data, tmp_path / "run")) == 1
+    assert str(bad) in capsys.readouterr().err
+
+
+def test_empty_identity_folder_is_named(tmp_path, capsys):
+    data = make_folder(tmp_path / "data")
+    (data / "zz_empty").mkdir()
+    assert train.main(tiny_args(data, tmp_path / "run")) == 1
+    assert "zz_empty" in capsys.readouterr().err
+
+
+def test_missing_data_root(tmp_path, capsys):
+    assert train.main(tiny_args(tmp_path / "nothing", tmp_path / "run")) == 1
+    assert "nothing" in capsys.readouterr().err
+
+
+def test_train_then_evaluate_with_pairs_json_and_export(tmp_path, capsys):
+    data = make_folder(tmp_path / "data")
+    assert train.main(tiny_args(data, tmp_path / "run")) == 0
+    # LFW layout for the pairs: <name>/<name>_<n:04d>.jpg
+    lfw = tmp_path / "lfw"
+    for c in range(4):
+        (lfw / f"n{c}").mkdir(parents=True)
+        for n in range(1, 4):
+            Image.open(data / f"p{c}" / f"{n - 1}.jpg").save(lfw / f"n{c}" / f"n{c}_{n:04d}.jpg")
+    same = [f"n{c}\t1\t{n}" for c in range(4) for n in (2, 3)]
+    diff = [f"n{c}\t1\tn{(c + 1) % 4}\t2" for c in range(4)] + [
+        f"n{c}\t3\tn{(c + 2) % 4}\t3" for c in range(4)
+    ]
+    (lfw / "pairs.txt").write_text(
+        "2\t4\n" + "\n".join(same[:4] + diff[:4] + same[4:] + diff[4:]) + "\n"
+    )
+    out = tmp_path / "eval.json"
+    emb = tmp_path / "emb.npz"
+    argv = [
+        "--checkpoint",
+        str(tmp_path / "run" / "backbone.pt"),
+        "--pairs",
+        str(lfw / "pairs.txt"),
+        "--json",
+        str(out),
+        "--export-embeddings",
+        str(emb),
+        "--roc",
+        str(tmp_path / "roc.png"),
+        "--workers",
+        "0",
+    ]
+    assert evaluate.main(argv) == 0
+    result = json.loads(out.read_text())
+    for key in ("num_pairs", "accuracy", "accuracy_std", "threshold", "auc", "eer", "tar_at_far"):
+        assert key in result
+    assert result["num_pairs"] == 16
+    assert result["tar_at_far"]["1e-1"] is None  # 8 impostors < 1 / 0.1
+    assert (tmp_path / "roc.png").stat().st_size > 0
+    with np.load(emb) as f:
+        assert f["embeddings"].shape == (12, 8) and f["embeddings"].dtype == np.float32
+        assert sorted(f["paths"].tolist())[0] == "n0/n0_0001.jpg"
+    # The same numbers from the exported embeddings, with no model.
+    out2 = tmp_path / "eval2.json"
+    assert (
+        evaluate.main(
+            ["--embeddings", str(emb), "--pairs", str(lfw / "pairs.txt"), "--json", str(out2)]
+        )
+        == 0
+    )
+    again = json.loads(out2.read_text())
+    assert again["accuracy"] == pytest.approx(result["accuracy"])
+    assert again["auc"] == pytest.approx(result["auc"], abs=1e-6)
+
+    # A malformed line and a missing image are named with file and line.
+    bad = tmp_path / "bad_pairs.txt"
+    lines = (lfw / "pairs.txt").read_text().splitlines()
+    bad.write_text("\n".join(lines[:3] + ["n0\tone\t2"] + lines[4:]) + "\n")
+    assert evaluate.main(["--embeddings", str(emb), "--pairs", str(bad)]) == 1
+    assert "bad_pairs.txt:4" in capsys.readouterr().err
+    (lfw / "n1" / "n1_0003.jpg").unlink()
+    assert evaluate.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "pairs.txt:" in err and "n1/n1_0003.jpg" in err

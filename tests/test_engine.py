@@ -1,0 +1,159 @@
+"""The training loop end to end on a tiny image folder: smoke run, resume, failure modes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from recognition import checkpoint as ckpt
+from recognition.config import load_config
+from recognition.engine import TrainingError, train, train_step
+from recognition.heads import ShardedMarginSoftmax, build_margin
+from recognition.precision import Precision
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory) -> Path:
+    """12 identities x 6 images of 32x32: each identity a colour blob at its own place."""
+    root = tmp_path_factory.mktemp("faces")
+    rng = np.random.default_rng(0)
+    for c in range(12):
+        folder = root / f"id{c:02d}"
+        folder.mkdir()
+        for n in range(6):
+            image = rng.integers(0, 60, size=(32, 32, 3), dtype=np.uint8)
+            y, x = 4 + (c % 4) * 7, 4 + (c // 4) * 9
+            image[y : y + 6, x : x + 6] = 200 + n
+            Image.fromarray(image).save(folder / f"{n}.jpg", quality=95)
+    return root
+
+
+def tiny_config(image_folder: Path, out: Path, *extra: str):
+    return load_config(
+        "default",
+        [
+            f"output_dir={out}",
+            f"data.root={image_folder}",
+            "data.synthetic.enabled=false",
+            "data.image_size=32",
+            "data.num_workers=0",
+            "model.backbone=iresnet18",
+            "model.width=0.125",
+            "model.embedding_size=16",
+            "train.batch_size=8",
+            "train.epochs=2",
+            "train.log_every=1",
+            "train.progress=false",
+            "optim.warmup_epochs=0.5",
+            "eval.targets=[]",
+            *extra,
+        ],
+    )
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def test_smoke_run_writes_the_run_directory(image_folder, tmp_path):
+    run_dir = train(tiny_config(image_folder, tmp_path / "run"))
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # 72 images / batch 8 = 9 steps per epoch, 2 epochs.
+    assert [r["step"] for r in records] == list(range(1, 19))
+    for key in ("step", "epoch", "loss", "lr", "samples_per_sec"):
+        assert all(key in r for r in records)
+    assert all(np.isfinite(r["loss"]) for r in records)
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "train.log").is_file()
+    assert (run_dir / "classes.txt").read_text().split() == [f"id{c:02d}" for c in range(12)]
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert ckpt.latest_checkpoint(run_dir).name == "step_00000018.pt"
+    model_cfg, image_size, state = ckpt.load_backbone_file(run_dir / "backbone.pt")
+    assert model_cfg["backbone"] == "iresnet18" and image_size == 32
+    assert all(v.dtype != torch.float16 for v in state.values())
+
+
+@pytest.mark.parametrize("level", ["O0", "O2"])
+def test_resume_continues_the_same_loss_curve(image_folder, tmp_path, level):
+    common = (f"precision.level={level}", "precision.dtype=bf16", "train.checkpoint_every=5")
+    straight = train(
+        tiny_config(image_folder, tmp_path / "straight", "train.max_steps=12", *common)
+    )
+    split = tmp_path / "split"
+    train(tiny_config(image_folder, split, "train.max_steps=5", *common))
+    train(tiny_config(image_folder, split, "train.max_steps=12", "train.resume=true", *common))
+    a, b = losses(straight), losses(split)
+    assert sorted(b) == list(range(1, 13))
+    # Step 10 crosses an epoch boundary (9 steps per epoch) after the resume at step 5.
+    for step in range(1, 13):
+        assert b[step] == pytest.approx(a[step], rel=1e-5, abs=1e-6), step
+    wa = ckpt.load_backbone_file(straight / "backbone.pt")[2]
+    wb = ckpt.load_backbone_file(split / "backbone.pt")[2]
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], rtol=1e-5, atol=1e-6)
+
+
+def test_existing_run_is_not_overwritten(image_folder, tmp_path):
+    cfg = tiny_config(image_folder, tmp_path / "run", "train.max_steps=2")
+    train(cfg)
+    before = ckpt.latest_checkpoint(tmp_path / "run").read_bytes()
+    with pytest.raises(TrainingError, match="already holds a run"):
+        train(cfg)
+    assert ckpt.latest_checkpoint(tmp_path / "run").read_bytes() == before
+
+
+def test_resume_without_checkpoint_is_an_error(image_folder, tmp_path):
+    with pytest.raises(TrainingError, match="no checkpoint"):
+        train(tiny_config(image_folder, tmp_path / "none", "train.resume=true"))
+
+
+def test_nonfinite_losses_stop_the_run_and_keep_the_checkpoint(image_folder, tmp_path, monkeypatch):
+    real_forward = ShardedMarginSoftmax.forward
+    calls = {"n": 0}
+
+    def forward(self, embeddings, labels):
+        calls["n"] += 1
+        loss = real_forward(self, embeddings, labels)
+        return loss * float("nan") if calls["n"] > 4 else loss
+
+    monkeypatch.setattr(ShardedMarginSoftmax, "forward", forward)
+    cfg = tiny_config(
+        image_folder, tmp_path / "run", "train.checkpoint_every=2", "train.max_nonfinite_steps=3"
+    )
+    with pytest.raises(TrainingError, match="3 non-finite losses in a row"):
+        train(cfg)
+    latest = ckpt.latest_checkpoint(tmp_path / "run")
+    assert latest.name == "step_00000004.pt"
+    assert ckpt.load_file(latest)["step"] == 4
+
+
+def test_train_step_accumulation_matches_one_big_batch():
+    """Two micro-batches of 4 with the loss halved = one batch of 8 (no BatchNorm here)."""
+    torch.manual_seed(0)
+    backbone = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 6)).double()
+    head = ShardedMarginSoftmax(5, 6, build_margin("cosface")).double()
+    images = torch.randn(8, 3, 2, 2, dtype=torch.float64)
+    labels = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
+    results = []
+    for batches in ([(images, labels)], [(images[:4], labels[:4]), (images[4:], labels[4:])]):
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 6)).double()
+        model.load_state_dict(backbone.state_dict())
+        margin_head = ShardedMarginSoftmax(5, 6, build_margin("cosface")).double()
+        margin_head.load_state_dict(head.state_dict())
+        precision = Precision("O0", "bf16", torch.device("cpu"))
+        optimizer = torch.optim.SGD(
+            list(model.parameters()) + list(margin_head.parameters()), lr=0.5
+        )
+        result = train_step(model, margin_head, batches, optimizer, precision, None)
+        assert result.finite and result.stepped
+        results.append((result, [p.detach().clone() for p in model.parameters()]))
+    (one, p_one), (two, p_two) = results
+    # The reported loss is the mean over micro-batches, the gradient that of the mean loss.
+    assert two.loss == pytest.approx(one.loss, rel=1e-12)
+    for a, b in zip(p_one, p_two, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
