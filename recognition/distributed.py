@@ -116,3 +116,81 @@ def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# ---------------------------------------------------------------- tensor collectives
+# The model-parallel head moves tensors, not scalars. These run on the device of the tensors
+# they are given (CUDA with NCCL, CPU with gloo), and with a world of one they return their
+# input (or a view of it) without touching torch.distributed.
+
+
+def all_gather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Concatenation along dim 0 of `tensor` from every rank of `group`, in rank order.
+
+    Every rank must pass the same shape (B, ...); returns (B * world size, ...). No autograd:
+    use `all_gather_autograd` for tensors that need a gradient.
+    """
+    num_ranks = world_size(group)
+    if num_ranks == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    gathered = tensor.new_empty((num_ranks * tensor.shape[0], *tensor.shape[1:]))
+    dist.all_gather_single(gathered, tensor, group=group)
+    return gathered
+
+
+def reduce_scatter_sum(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Block `rank` of the sum over ranks of `tensor`: the adjoint of `all_gather_tensor`.
+
+    Takes (B * world size, ...) on every rank and returns (B, ...): rows [rank * B, (rank + 1)
+    * B) of the element-wise sum of every rank's tensor.
+    """
+    num_ranks = world_size(group)
+    if num_ranks == 1:
+        return tensor
+    if tensor.shape[0] % num_ranks != 0:
+        raise ValueError(
+            f"reduce_scatter_sum: dim 0 ({tensor.shape[0]}) is not divisible by the world "
+            f"size ({num_ranks})"
+        )
+    tensor = tensor.contiguous()
+    block = tensor.new_empty((tensor.shape[0] // num_ranks, *tensor.shape[1:]))
+    dist.reduce_scatter_single(block, tensor, op=dist.ReduceOp.SUM, group=group)
+    return block
+
+
+class _AllGatherAutograd(torch.autograd.Function):
+    """all_gather_tensor whose backward reduce-scatters (sums) the gradient back."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
+        ctx.group = group
+        return all_gather_tensor(tensor, group)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_gathered: torch.Tensor
+    ) -> tuple[torch.Tensor, None]:
+        # Every rank computed a different function of the gathered rows (its own class
+        # shard), so a row's total gradient is the sum of all ranks' partial gradients.
+        return reduce_scatter_sum(grad_gathered, ctx.group), None
+
+
+def all_gather_autograd(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """`all_gather_tensor` with a gradient: (B, ...) -> (B * world size, ...), rank order.
+
+    Backward is the exact adjoint: the gradients that every rank computed for the gathered
+    tensor are summed over ranks and each rank receives the block of rows it contributed
+    (a reduce-scatter). Every rank must pass the same shape.
+    """
+    if world_size(group) == 1:
+        return tensor
+    return _AllGatherAutograd.apply(tensor, group)

@@ -134,15 +134,23 @@ def test_single_process_owns_every_class_and_initialises_normal():
     assert head.last_accuracy is None
 
 
-def test_world_size_above_one_is_not_implemented(monkeypatch):
-    monkeypatch.setattr(margin_softmax.distributed, "world_size", lambda group=None: 2)
-    with pytest.raises(NotImplementedError, match="world size 2"):
-        ShardedMarginSoftmax(10, 8, ArcFace())
+def test_group_of_three_ranks_takes_its_block_of_classes(monkeypatch):
+    # Construction needs no collective: the rank and world size of the group decide the shard.
+    monkeypatch.setattr(margin_softmax.distributed, "world_size", lambda group=None: 3)
+    for rank, (start, count) in enumerate([(0, 4), (4, 3), (7, 3)]):
+        monkeypatch.setattr(margin_softmax.distributed, "rank", lambda group=None, r=rank: r)
+        head = ShardedMarginSoftmax(10, 8, ArcFace())
+        assert (head.class_start, head.num_local, head.world_size) == (start, count, 3)
+        assert head.weight.shape == (count, 8)
+    with pytest.raises(ValueError, match="num_classes"):
+        ShardedMarginSoftmax(2, 8, ArcFace())
 
 
-def test_sample_rate_below_one_is_not_implemented():
-    with pytest.raises(NotImplementedError, match="head.sample_rate"):
-        ShardedMarginSoftmax(10, 8, ArcFace(), sample_rate=0.5)
+def test_sample_rate_sets_the_number_of_sampled_classes():
+    assert ShardedMarginSoftmax(1000, 8, ArcFace(), sample_rate=0.1).num_sample == 100
+    assert ShardedMarginSoftmax(1000, 8, ArcFace(), sample_rate=0.1234).num_sample == 123
+    assert ShardedMarginSoftmax(10, 8, ArcFace(), sample_rate=0.01).num_sample == 1  # >= 1
+    assert ShardedMarginSoftmax(10, 8, ArcFace()).num_sample == 10
 
 
 @pytest.mark.parametrize(
@@ -350,40 +358,49 @@ def test_exact_centre_loss_matches_limit_of_reference():
 # ---- the statistics' sharded path and the chunked memory bound ---------------------------
 
 
-@pytest.mark.parametrize("chunk_size", [None, 1, 4, 100])
-def test_statistics_of_rows_whose_label_another_rank_owns(chunk_size):
-    # With W > 1 most rows' targets live on another rank (target index -1): their local
-    # statistics are the plain log-sum-exp of s * cos over this rank's classes.
-    generator = torch.Generator().manual_seed(13)
-    norm_embeddings = F.normalize(torch.randn(6, 8, generator=generator, dtype=torch.float64))
-    norm_weight = F.normalize(torch.randn(11, 8, generator=generator, dtype=torch.float64))
-    target_index = torch.tensor([-1, 3, -1, 10, 0, -1])
-    target_logit = torch.tensor([0.0, 2.5, 0.0, -7.0, 1.0, 0.0], dtype=torch.float64)
+@pytest.mark.parametrize("sampled", [False, True], ids=["all_rows", "row_index"])
+@pytest.mark.parametrize("keep_logits", [False, True], ids=["recompute", "keep"])
+@pytest.mark.parametrize("block_size", [1, 4, 100])
+def test_local_statistics_against_autograd(block_size, keep_logits, sampled):
+    # The statistics function: max / sum-exp over the non-target columns of the rows taking
+    # part, and the target cosine, with gradients w.r.t. the embeddings and the RAW class
+    # rows (their normalisation included). Rows whose target another rank owns (-1) get the
+    # plain log-sum-exp of s * cos over every class taking part.
+    generator = torch.Generator().manual_seed(16)
+    norm_embeddings = F.normalize(torch.randn(7, 8, generator=generator, dtype=torch.float64))
+    weight = torch.randn(11, 8, generator=generator, dtype=torch.float64)
+    weight[4] = 0.0  # a zero row: normalises to zero, no NaN
+    target_row = torch.tensor([-1, 3, -1, 10, 0, -1, 3])
+    row_index = torch.tensor([0, 2, 3, 5, 10]) if sampled else None
+    columns = row_index if sampled else torch.arange(11)
     scale = 20.0
-    inputs = [norm_embeddings, norm_weight, target_logit]
-    inputs = [t.clone().requires_grad_(True) for t in inputs]
-    if chunk_size is None:
-        row_max, row_sumexp = margin_softmax._softmax_stats(*inputs, target_index, scale)
-    else:
-        row_max, row_sumexp = margin_softmax._ChunkedSoftmaxStats.apply(
-            *inputs, target_index, scale, chunk_size
-        )
-    lse = torch.log(row_sumexp) + row_max
-    lse.sum().backward()
+    grad_sumexp = torch.rand(7, generator=generator, dtype=torch.float64)
+    grad_target = torch.randn(7, generator=generator, dtype=torch.float64)
 
-    ref_inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
-    logits = ref_inputs[0] @ ref_inputs[1].T * scale
-    owned = target_index >= 0
-    replaced = logits.clone()
-    replaced[owned, target_index[owned]] = ref_inputs[2][owned]
-    ref_lse = torch.logsumexp(replaced, dim=1)
-    ref_lse.sum().backward()
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(row_max, replaced.detach().amax(dim=1), rtol=0, atol=1e-12)
-    for actual, expected in zip(inputs, ref_inputs, strict=True):
+    inputs = [norm_embeddings.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    row_max, row_sumexp, target_cos = margin_softmax._LocalClassStats.apply(
+        *inputs, row_index, target_row, scale, block_size, keep_logits, torch.float64
+    )
+    torch.autograd.backward([row_sumexp, target_cos], [grad_sumexp, grad_target])
+
+    ref = [t.detach().clone().requires_grad_(True) for t in (norm_embeddings, weight)]
+    cos = ref[0] @ F.normalize(ref[1], dim=1)[columns].T  # (N, K)
+    is_target = columns[None, :] == target_row[:, None]
+    logits = (cos * scale).masked_fill(is_target, -math.inf)
+    ref_max = logits.detach().amax(dim=1)
+    ref_sumexp = torch.exp(logits - ref_max[:, None]).sum(dim=1)
+    owned = target_row >= 0
+    ref_target_cos = (ref[0] * F.normalize(ref[1], dim=1)[target_row.clamp(min=0)]).sum(dim=1)
+    ref_target_cos = torch.where(owned, ref_target_cos, 0.0)
+    torch.autograd.backward([ref_sumexp, ref_target_cos], [grad_sumexp, grad_target])
+
+    torch.testing.assert_close(row_max, ref_max, rtol=1e-12, atol=0)
+    torch.testing.assert_close(row_sumexp, ref_sumexp, rtol=1e-12, atol=0)
+    torch.testing.assert_close(target_cos, ref_target_cos, rtol=1e-12, atol=1e-15)
+    for actual, expected in zip(inputs, ref, strict=True):
         torch.testing.assert_close(actual.grad, expected.grad, rtol=1e-10, atol=1e-12)
-    # Rows whose target is elsewhere pass no gradient to the target logit.
-    assert (inputs[2].grad[~owned] == 0).all()
+    if sampled:  # rows that do not take part and are no target get exactly zero
+        assert (inputs[1].grad[[1, 4, 6, 7, 8, 9]] == 0).all()
 
 
 def saved_tensor_sizes(head, embeddings, labels):
@@ -410,3 +427,224 @@ def test_chunked_head_saves_no_full_logit_matrix():
     logit_matrix = batch_size * num_classes
     assert max(full) >= logit_matrix  # the test can tell the two apart
     assert max(chunked) <= num_classes * 8  # nothing bigger than the (C, D) class rows
+
+
+def large_allocations(head, embeddings, labels, threshold):
+    """Shapes of every op output with at least `threshold` elements in forward + backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    shapes = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            # Views, detach and in-place ops reuse an input's memory: only new storage counts.
+            inputs = torch.utils._pytree.tree_leaves((args, kwargs))
+            reused = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+            for tensor in out if isinstance(out, tuple | list) else [out]:
+                if isinstance(tensor, torch.Tensor) and tensor.numel() >= threshold:
+                    if tensor.untyped_storage().data_ptr() not in reused:
+                        shapes.append((str(func), tuple(tensor.shape)))
+            return out
+
+    embeddings = embeddings.clone().requires_grad_(True)
+    with Recorder():
+        head(embeddings, labels).backward()
+    return shapes
+
+
+@pytest.mark.parametrize("sample_rate", [1.0, 0.5])
+def test_chunked_head_allocates_one_weight_sized_tensor_its_gradient(sample_rate):
+    # Beyond the weight, the chunked head may allocate ONE tensor of the weight's size (its
+    # gradient) and nothing of size (N, C_local): no normalised copy of the shard, no second
+    # gradient for the target rows, no full logits.
+    num_classes, dim, batch, chunk = 3000, 16, 32, 64
+    torch.manual_seed(17)
+    embeddings, labels = make_batch(num_classes, dim, batch, seed=18, dtype=torch.float32)
+    head = ShardedMarginSoftmax(
+        num_classes, dim, ArcFace(), chunk_size=chunk, sample_rate=sample_rate
+    )
+    big = large_allocations(head, embeddings, labels, threshold=batch * chunk * 4 + 1)
+    assert [shape for _, shape in big] == [(num_classes, dim)], big
+    # The test can tell: the unchunked head keeps (C_local, N) logits.
+    unchunked = ShardedMarginSoftmax(num_classes, dim, ArcFace())
+    big = large_allocations(unchunked, embeddings, labels, threshold=batch * chunk * 4 + 1)
+    assert (num_classes, batch) in [shape for _, shape in big]
+
+
+# ---- partial FC (sample_rate < 1), one process -------------------------------------------
+
+
+def restricted_reference(embeddings, weight, labels, columns, scale, psi):
+    """Float64 F.cross_entropy over the classes `columns` (sorted) only, and the gradients."""
+    embeddings = embeddings.detach().double().requires_grad_(True)
+    weight = weight.detach().double().requires_grad_(True)
+    cos = F.normalize(embeddings, dim=1) @ F.normalize(weight, dim=1)[columns].T  # (B, K)
+    sub_labels = torch.searchsorted(columns, labels)
+    assert (columns[sub_labels] == labels).all(), "a positive class was not sampled"
+    theta = torch.acos(cos.gather(1, sub_labels[:, None]).squeeze(1))
+    logits = cos.scatter(1, sub_labels[:, None], psi(theta)[:, None]) * scale
+    loss = F.cross_entropy(logits, sub_labels)
+    loss.backward()
+    return loss.detach(), embeddings.grad, weight.grad
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+@pytest.mark.parametrize("case", MARGIN_CASES, ids=MARGIN_IDS)
+def test_partial_fc_loss_is_the_softmax_over_the_sampled_classes(case, chunk_size):
+    _, make_margin, scale, psi = case
+    torch.manual_seed(19)
+    head = ShardedMarginSoftmax(
+        40, 8, make_margin(), sample_rate=0.25, chunk_size=chunk_size, seed=3
+    ).double()
+    embeddings, labels = make_batch(40, 8, 6, seed=20)
+    labels[:2] = 7  # duplicate labels
+    loss, grad_embeddings, grad_weight = run_head(head, embeddings, labels)
+    columns = head.sampled_index
+    positives = labels.unique()
+    assert columns.numel() == max(positives.numel(), 10)
+    assert torch.isin(positives, columns).all()
+    assert (columns[1:] > columns[:-1]).all()  # sorted, unique
+    ref_loss, ref_grad_embeddings, ref_grad_weight = restricted_reference(
+        embeddings, head.weight, labels, columns, scale, psi
+    )
+    assert_close_rel(loss, ref_loss, 1e-10)
+    assert_close_rel(grad_embeddings, ref_grad_embeddings, 1e-10)
+    assert_close_rel(grad_weight, ref_grad_weight, 1e-10)
+    unsampled = torch.ones(40, dtype=torch.bool)
+    unsampled[columns] = False
+    assert (grad_weight[unsampled] == 0).all()
+
+
+def test_partial_fc_keeps_every_positive_when_they_outnumber_the_sample():
+    head = ShardedMarginSoftmax(40, 8, CosFace(), sample_rate=0.1)  # num_sample 4
+    embeddings, _ = make_batch(40, 8, 12, seed=21, dtype=torch.float32)
+    labels = torch.arange(0, 36, 3)  # 12 distinct positives
+    head(embeddings, labels)
+    assert head.sampled_index.tolist() == labels.tolist()
+
+
+def test_partial_fc_sampling_is_reproducible_and_roughly_uniform():
+    def sampled_sets(seed, steps):
+        head = ShardedMarginSoftmax(200, 4, CosFace(), sample_rate=0.2, seed=seed)
+        embeddings = torch.randn(2, 4)
+        labels = torch.tensor([5, 5])
+        out = []
+        for _ in range(steps):
+            head(embeddings, labels)
+            out.append(head.sampled_index.clone())
+        return out, head
+
+    first, head = sampled_sets(seed=7, steps=200)
+    again, _ = sampled_sets(seed=7, steps=3)
+    other, _ = sampled_sets(seed=8, steps=1)
+    assert head.sampling_step == 200
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=False))
+    assert not torch.equal(first[0], other[0])
+    assert not torch.equal(first[0], first[1])
+    counts = torch.zeros(200)
+    for index in first:
+        assert index.numel() == 40 and 5 in index.tolist()
+        counts[index] += 1
+    negatives = torch.cat([counts[:5], counts[6:]])
+    # Each negative class is kept with probability 39/199; over 200 steps its count is
+    # Binomial(200, 0.196): mean 39.2, sd 5.6. Every class lies within 5 sd of it.
+    assert counts[5] == 200
+    assert negatives.sum() == 200 * 39  # exactly 39 negatives a step
+    assert negatives.min() > 39.2 - 5 * 5.6 and negatives.max() < 39.2 + 5 * 5.6
+
+
+def test_partial_fc_is_off_in_eval_and_without_grad():
+    torch.manual_seed(22)
+    head = ShardedMarginSoftmax(30, 8, CosFace(), sample_rate=0.2).double()
+    embeddings, labels = make_batch(30, 8, 5, seed=23)
+    full = ShardedMarginSoftmax(30, 8, CosFace()).double()
+    full.load_state_dict(head.state_dict())
+    expected = full(embeddings, labels)
+    with torch.no_grad():
+        assert head(embeddings, labels).item() == pytest.approx(expected.item(), rel=1e-12)
+    assert head.sampled_index is None
+    head.eval()
+    assert head(embeddings, labels).item() == pytest.approx(expected.item(), rel=1e-12)
+    assert head.sampled_index is None and head.sampling_step == 0
+
+
+def reference_sgd_rows(weight, buffer, grad, rows, lr, momentum, weight_decay):
+    """torch.optim.SGD's rule applied to `rows` only, in float64 (buffer None: first step)."""
+    weight, grad = weight.double().clone(), grad.double()
+    buffer = torch.zeros_like(weight) if buffer is None else buffer.double().clone()
+    step = grad[rows] + weight_decay * weight[rows]
+    buffer[rows] = momentum * buffer[rows] + step
+    weight[rows] -= lr * buffer[rows]
+    return weight, buffer
+
+
+@pytest.mark.parametrize("chunk_size", [None, 4])
+def test_attach_optimizer_updates_only_sampled_rows_sgd_momentum_weight_decay(chunk_size):
+    torch.manual_seed(24)
+    num_classes, dim = 50, 8
+    head = ShardedMarginSoftmax(
+        num_classes, dim, ArcFace(s=16.0), sample_rate=0.2, chunk_size=chunk_size
+    ).double()
+    lr, momentum, weight_decay = 0.5, 0.9, 0.05
+    optimizer = torch.optim.SGD(
+        head.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
+    )
+    head.attach_optimizer(optimizer)
+    weight, buffer = head.weight.detach().clone(), None
+    ever_sampled = torch.zeros(num_classes, dtype=torch.bool)
+    for step in range(4):
+        optimizer.zero_grad(set_to_none=True)
+        rows = torch.zeros(num_classes, dtype=torch.bool)
+        grad = torch.zeros(num_classes, dim, dtype=torch.float64)
+        # Step 2 accumulates two micro-batches: the rows of both are updated.
+        for micro in range(2 if step == 2 else 1):
+            embeddings, labels = make_batch(num_classes, dim, 4, seed=100 + 10 * step + micro)
+            before = head.weight.detach().clone()
+            loss = head(embeddings, labels)
+            loss.backward()
+            rows[head.sampled_index] = True
+            # The gradient is that of the restricted softmax (checked above); take it from
+            # the reference so the update below is computed independently of the head.
+            _, _, ref_grad = restricted_reference(
+                embeddings, before, labels, head.sampled_index, 16.0,
+                lambda t: psi_arcface(t, 0.5),
+            )  # fmt: skip
+            grad += ref_grad
+        before_buffer = optimizer.state[head.weight].get("momentum_buffer")
+        before_buffer = None if before_buffer is None else before_buffer.clone()
+        optimizer.step()
+        weight, buffer = reference_sgd_rows(weight, buffer, grad, rows, lr, momentum, weight_decay)
+        ever_sampled |= rows
+        state_buffer = optimizer.state[head.weight]["momentum_buffer"]
+        assert head.weight.shape == (num_classes, dim) and state_buffer.shape == weight.shape
+        assert head.weight.grad.shape == weight.shape
+        torch.testing.assert_close(head.weight.detach(), weight, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(state_buffer, buffer, rtol=1e-10, atol=1e-12)
+        # Rows not sampled this step: bit for bit unchanged, weight and momentum alike.
+        assert torch.equal(head.weight.detach()[~rows], before[~rows])
+        if before_buffer is not None:
+            assert torch.equal(state_buffer[~rows], before_buffer[~rows])
+        assert (state_buffer[~ever_sampled] == 0).all()
+    assert 0 < int(ever_sampled.sum()) < num_classes  # the test exercised both kinds of rows
+
+
+def test_without_attach_optimizer_momentum_moves_unsampled_rows():
+    # What attach_optimizer prevents: plain SGD decays and pushes every row every step.
+    torch.manual_seed(25)
+    head = ShardedMarginSoftmax(50, 8, CosFace(), sample_rate=0.2).double()
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.5, momentum=0.9, weight_decay=0.05)
+    before = head.weight.detach().clone()
+    embeddings, labels = make_batch(50, 8, 4, seed=26)
+    head(embeddings, labels).backward()
+    optimizer.step()
+    unsampled = torch.ones(50, dtype=torch.bool)
+    unsampled[head.sampled_index] = False
+    assert not torch.equal(head.weight.detach()[unsampled], before[unsampled])
+
+
+def test_attach_optimizer_rejects_an_optimizer_without_the_weight():
+    head = ShardedMarginSoftmax(50, 8, CosFace(), sample_rate=0.2)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(50, 8))], lr=0.1)
+    with pytest.raises(ValueError, match="master"):
+        head.attach_optimizer(optimizer)

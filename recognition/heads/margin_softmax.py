@@ -1,25 +1,67 @@
-"""The margin-softmax classification head, laid out for a class matrix sharded over ranks.
+"""The margin-softmax classification head over a class matrix sharded across ranks.
 
-One forward step, in the order the sharded version will run it:
+One training step on each of the W ranks of the head's process group:
 
-    local embeddings (B, D)   --all-gather-->   embeddings (N = B*W, D), labels (N,)
-    normalise embeddings and this rank's class rows W_r (C_local, D)
-    target logit s*psi(cos) only for the rows whose label lies in this rank's shard
-    cosine logits s*cos (N, C_local), whole or chunk by chunk, the target column replaced
-    local row statistics: max and sum of exp(logit - max), in float32
+    local embeddings (B, D)   --all-gather (autograd)-->   embeddings (N = B*W, D), labels (N,)
+    normalise the embeddings (float32)
+    target cosine, then s*psi(cos), only for the rows whose label lies in this rank's shard
+    cosine logits s*cos (C_local, N) of the other classes, a block of classes at a time: the
+    raw class rows times the embeddings, each row scaled by s/|row| (no normalised copy)
+    local row statistics: max and sum of exp(logit - max) over all of them, float32
     global statistics: all-reduce MAX of the max, SUM of the rescaled sum-exp, SUM of target
-    loss_i = log(sum-exp_i) + max_i - target_i, averaged over the N rows
+    loss_i = log(sum-exp_i) + max_i - target_i, averaged over the N rows of the global batch
 
-This file is the single-process step: the world size must be 1 and the "all-reduce" lines
-are identities, marked where the collectives go. The class split (`shard_range`), the
-ownership test and the statistics are already the sharded ones.
+The loss is the same scalar on every rank. No rank ever holds logits for classes it does not
+own, and what crosses the network per step is O(N x D) (the embeddings, their gradient and
+three length-N statistics), never O(N x C).
+
+Gradient convention (what the backbone receives). The loss L is the mean over the global
+batch. Backward leaves each rank's class-row gradient local (it is exactly dL/dW_r), sums
+the partial gradients that every rank computed for the gathered embeddings and hands each
+rank the rows it produced (a reduce-scatter) - that sum is dL/d(local embeddings) - and then
+MULTIPLIES it by W. The backbone is replicated under DistributedDataParallel, which averages
+its gradients over the W ranks: (1/W) * sum_r J_r^T (W dL/de_r) = sum_r J_r^T dL/de_r, the
+gradient of the single-process model on the whole global batch. So: use DDP (or any average
+of the backbone gradients over ranks), do not rescale the loss, and expect the gradient that
+reaches `local_embeddings` on its own to be W times dL/d(local_embeddings). With W = 1 the
+factor is 1 and nothing changes. (insightface's partial FC uses the same convention.)
+
+Memory and speed. One custom autograd function computes the statistics and their gradient
+in blocks of classes. `chunk_size=None` keeps exp(logit - max) of the whole shard,
+(C_local, N), for backward, which then costs two matmuls and no recomputation: memory
+O(N x C_local), the fastest (blocks of BLOCK_SIZE classes bound the temporaries). With a
+`chunk_size`, the forward is an online softmax over chunks of that many classes (a running
+max, a running sum-exp rescaled whenever the max grows) and backward recomputes each chunk's
+logits: one matmul more, and beyond the weight and its gradient, peak memory O(N x
+chunk_size + N x D + chunk_size x D), never O(N x C_local). In both, class rows are
+normalised block by block and the only weight-sized tensor the head creates is the weight's
+gradient. None is not replaced by a chunk size chosen automatically: set one when the
+logits of a shard would not fit (a few thousand classes per chunk costs little speed).
+
+Partial FC (`sample_rate` < 1). In training, each rank keeps the classes of its shard that
+appear in the global batch (the positives) plus a random sample of its other classes, in
+all max(num_positive, num_sample) classes with num_sample = round(sample_rate * C_local)
+(at least 1), as insightface's partial FC does; the softmax runs over the kept classes of
+every rank. The sample is a pure function of (seed, sampling_step, global class id) - a
+31-bit integer hash ranks the classes, positives first - so it is reproducible, the same on
+CPU and GPU, and means the same on every rank; `sampling_step` counts sampled forwards.
+Unsampled rows get a zero gradient, and `attach_optimizer` makes the optimizer leave them
+alone altogether: no momentum, no weight decay, no update of their optimizer state (see its
+docstring). Evaluation (`.eval()` or no grad) uses every class.
+
+Precision. Inputs and the weight may be half precision, and so may the logits matmul (under
+autocast, the autocast dtype; otherwise the wider of the two input dtypes); embeddings are
+gathered and normalised in float32, and the target cosine, margin, softmax statistics, their
+collectives and the loss are float32, or float64 when the embeddings or the weight are.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
@@ -36,6 +78,17 @@ INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64
 
 # Standard deviation of the class rows at initialisation (insightface's partial FC).
 WEIGHT_INIT_STD = 0.01
+
+# Classes per block when chunk_size is None: the logits are all kept, but the work (and its
+# temporaries, and the cache footprint) goes a block at a time.
+BLOCK_SIZE = 8192
+
+# Partial FC ranks classes by a 31-bit hash: products of two 31-bit numbers fit in int64.
+HASH_BITS = 31
+HASH_MASK = (1 << HASH_BITS) - 1
+# Odd multipliers below 2**31 (a multiplication by an odd number is a bijection mod 2**31).
+HASH_MULTIPLIERS = (0x5BD1E995, 0x1B873593, 0x27D4EB2F)
+MAX_CLASSES = 1 << HASH_BITS
 
 
 def shard_range(num_classes: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -63,135 +116,312 @@ def _l2_normalize(rows: Tensor) -> Tensor:
     return F.normalize(rows, p=2.0, dim=1, eps=eps)
 
 
-def _chunk_logits(
-    norm_embeddings: Tensor,
-    norm_weight: Tensor,
-    target_logit: Tensor,
-    target_index: Tensor,
-    scale: float,
-    start: int,
-    stop: int,
-) -> tuple[Tensor, Tensor]:
-    """Logits of local classes [start, stop) with each row's target column replaced.
-
-    Returns the logits (N, stop - start) in target_logit's dtype (float32 or float64) and the
-    mask (N, stop - start) of the replaced target entries.
-    """
-    cos = norm_embeddings @ norm_weight[start:stop].T  # (N, c), in the matmul dtype
-    logits = cos.to(target_logit.dtype) * scale
-    columns = torch.arange(start, stop, device=logits.device)
-    # target_index is -1 on rows whose label another rank owns: such rows match no column.
-    is_target = columns[None, :] == target_index[:, None]  # (N, c)
-    return torch.where(is_target, target_logit[:, None], logits), is_target
+def _l2_normalize_backward(rows: Tensor, grad_normalized: Tensor) -> Tensor:
+    """Gradient w.r.t. `rows` of `_l2_normalize(rows)` given the gradient of its output."""
+    with torch.enable_grad():
+        rows = rows.detach().requires_grad_(True)
+        (grad_rows,) = torch.autograd.grad(_l2_normalize(rows), rows, grad_normalized)
+    return grad_rows
 
 
-def _softmax_stats(
-    norm_embeddings: Tensor,
-    norm_weight: Tensor,
-    target_logit: Tensor,
-    target_index: Tensor,
-    scale: float,
-) -> tuple[Tensor, Tensor]:
-    """Row max and sum of exp(logit - max) over all local classes at once (plain autograd).
+class _LocalClassStats(torch.autograd.Function):
+    """Softmax statistics of the non-target logits of this rank's classes, and the target cosine.
 
-    Takes embeddings (N, D) and class rows (C_local, D) in the matmul dtype, the target logits
-    (N,) and target columns (N,) (-1 where not owned). Returns (max, sum-exp), both (N,) in
-    target_logit's dtype; only sum-exp carries a gradient. Memory O(N x C_local).
-    """
-    logits, _ = _chunk_logits(
-        norm_embeddings, norm_weight, target_logit, target_index, scale, 0, norm_weight.shape[0]
-    )
-    # The max only keeps exp() in range: log(sum exp(z - c)) + c is the same for any constant
-    # c, so holding it constant (detached) leaves the loss and its gradient exact.
-    row_max = logits.detach().amax(dim=1)
-    row_sumexp = torch.exp(logits - row_max[:, None]).sum(dim=1)
-    return row_max, row_sumexp
+    Inputs: normalised embeddings (N, D) in the statistics dtype (float32 or float64); the raw
+    class rows `weight` (C_local, D); `row_index` (K,) sorted, the rows taking part (partial FC),
+    or None for all of them; `target_row` (N,), each row's target as a row of `weight`, -1
+    where another rank owns the label (an owned target always takes part); the scale s;
+    `block_size`, the classes handled at a time; `keep_logits`; the matmul dtype.
 
+    Returns (max, sum-exp, target cosine), each (N,) in the statistics dtype: the max and the
+    sum of exp(s*cos - max) over the taking-part classes other than the row's target (max
+    -inf and sum-exp 0 for a row with no such class), and the target's cosine (0 where not
+    owned), computed in the statistics dtype. The caller applies the margin to that cosine and
+    folds the target logit into the statistics with plain autograd.
 
-class _ChunkedSoftmaxStats(torch.autograd.Function):
-    """`_softmax_stats` computed `chunk_size` classes at a time, in memory O(N x chunk_size).
-
-    Forward keeps a running max and rescales the running sum-exp whenever the max grows
-    (the online softmax). Backward recomputes each chunk's logits instead of storing them:
-    d sum-exp_i / d z_ij = exp(z_ij - max_i), routed to the target logit for the target
-    column and to the cosine (times s) for every other one.
+    The work runs `block_size` classes at a time, on transposed blocks (c, N) so that a block
+    is contiguous. Class rows are never normalised into a copy: a block's logits are
+    (rows @ embeddings^T) scaled row by row by s / |row|, and backward applies the
+    normalisation's derivative per block. With `keep_logits` (chunk_size None) the forward
+    keeps exp(logit - max) of every class, (K, N), for backward: memory O(N x K), nothing
+    recomputed. Without, forward runs an online softmax (a running max, a running sum-exp
+    rescaled whenever the max grows) and backward recomputes each block: memory O(N x c).
+    Either way the only weight-sized tensor created is the weight's gradient, which this one
+    function writes whole (the target rows' share added in place).
     """
 
     @staticmethod
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
         norm_embeddings: Tensor,
-        norm_weight: Tensor,
-        target_logit: Tensor,
-        target_index: Tensor,
+        weight: Tensor,
+        row_index: Tensor | None,
+        target_row: Tensor,
         scale: float,
-        chunk_size: int,
-    ) -> tuple[Tensor, Tensor]:
-        num_rows, num_local = norm_embeddings.shape[0], norm_weight.shape[0]
-        row_max = target_logit.new_full((num_rows,), -math.inf)
-        row_sumexp = target_logit.new_zeros((num_rows,))
-        for start in range(0, num_local, chunk_size):
-            stop = min(start + chunk_size, num_local)
-            logits, _ = _chunk_logits(
-                norm_embeddings, norm_weight, target_logit, target_index, scale, start, stop
-            )
-            new_max = torch.maximum(row_max, logits.amax(dim=1))
-            # exp(-inf - finite) = 0 clears the empty sum of the first chunk.
-            row_sumexp = row_sumexp * torch.exp(row_max - new_max)
-            row_sumexp = row_sumexp + torch.exp(logits - new_max[:, None]).sum(dim=1)
-            row_max = new_max
-        ctx.save_for_backward(norm_embeddings, norm_weight, target_logit, target_index, row_max)
-        ctx.scale = scale
-        ctx.chunk_size = chunk_size
+        block_size: int,
+        keep_logits: bool,
+        matmul_dtype: torch.dtype,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        # Every cast below is explicit: autocast would cast differently here (under autocast)
+        # and in the recomputation of backward (outside it).
+        with torch.autocast(norm_embeddings.device.type, enabled=False):
+            stats_dtype = norm_embeddings.dtype
+            owned = target_row >= 0
+            target_rows = _l2_normalize(weight[target_row.clamp(min=0)].to(stats_dtype))  # (N, D)
+            target_cos = torch.where(owned, (norm_embeddings * target_rows).sum(dim=1), 0.0)
+            target_pos = _target_positions(row_index, target_row, owned)
+
+            mm_embeddings = norm_embeddings.to(matmul_dtype)
+            num_rows = norm_embeddings.shape[0]
+            num_taking_part = weight.shape[0] if row_index is None else row_index.shape[0]
+            row_max = norm_embeddings.new_full((num_rows,), -math.inf)
+            row_sumexp = norm_embeddings.new_zeros((num_rows,))
+            kept = norm_embeddings.new_empty((num_taking_part, num_rows)) if keep_logits else None
+            for start in range(0, num_taking_part, block_size):
+                stop = min(start + block_size, num_taking_part)
+                rows = _block_rows(weight, row_index, start, stop)
+                out = None if kept is None else kept[start:stop]
+                logits_t = _block_logits(rows, mm_embeddings, target_pos, start, scale, out)
+                new_max = torch.maximum(row_max, logits_t.amax(dim=0))
+                if kept is None:
+                    shift = _finite_or_zero(new_max)
+                    # exp(-inf - finite) = 0 clears the empty sum of the first block.
+                    row_sumexp = row_sumexp * torch.exp(row_max - shift)
+                    row_sumexp = row_sumexp + logits_t.sub_(shift).exp_().sum(dim=0)
+                row_max = new_max
+            if kept is not None:
+                row_sumexp = kept.sub_(_finite_or_zero(row_max)).exp_().sum(dim=0)
+        ctx.save_for_backward(
+            norm_embeddings, weight, row_index, target_row, target_rows, target_pos, row_max, kept
+        )
+        ctx.scale, ctx.block_size, ctx.matmul_dtype = scale, block_size, matmul_dtype
         ctx.mark_non_differentiable(row_max)
-        return row_max, row_sumexp
+        return row_max, row_sumexp, target_cos
 
     @staticmethod
     @once_differentiable
     def backward(
-        ctx: torch.autograd.function.FunctionCtx, grad_max: Tensor, grad_sumexp: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
-        del grad_max  # the max is a constant shift (see _softmax_stats)
-        norm_embeddings, norm_weight, target_logit, target_index, row_max = ctx.saved_tensors
-        num_local = norm_weight.shape[0]
-        # Summed over chunks, so accumulated in float32 even when the matmuls run in half.
-        grad_embeddings = torch.zeros_like(norm_embeddings, dtype=target_logit.dtype)
-        grad_weight = torch.empty_like(norm_weight)
-        grad_target = torch.zeros_like(target_logit)
-        for start in range(0, num_local, ctx.chunk_size):
-            stop = min(start + ctx.chunk_size, num_local)
-            logits, is_target = _chunk_logits(
-                norm_embeddings, norm_weight, target_logit, target_index, ctx.scale, start, stop
+        ctx: torch.autograd.function.FunctionCtx,
+        grad_max: Tensor,
+        grad_sumexp: Tensor,
+        grad_target_cos: Tensor,
+    ) -> tuple[Tensor | None, Tensor | None, None, None, None, None, None, None]:
+        del grad_max  # the max only shifts exp() into range: a constant (see forward)
+        (norm_embeddings, weight, row_index, target_row, target_rows, target_pos, row_max, kept) = (
+            ctx.saved_tensors
+        )
+        stats_dtype, matmul_dtype = norm_embeddings.dtype, ctx.matmul_dtype
+        shift = _finite_or_zero(row_max)
+        mm_embeddings = norm_embeddings.to(matmul_dtype)
+        want_weight = ctx.needs_input_grad[1]
+        num_taking_part = weight.shape[0] if row_index is None else row_index.shape[0]
+        # d sum-exp_i / d logit_ji = exp(logit_ji - max_i); d logit_ji / d cos_ji = s.
+        grad_scale = grad_sumexp * ctx.scale  # (N,)
+        # Summed over blocks, so accumulated in the statistics dtype even for half matmuls.
+        grad_embeddings = torch.zeros_like(norm_embeddings)
+        grad_weight = None
+        if want_weight:  # rows that do not take part get a zero gradient
+            grad_weight = (
+                torch.empty_like(weight) if row_index is None else torch.zeros_like(weight)
             )
-            grad_logits = torch.exp(logits - row_max[:, None]) * grad_sumexp[:, None]  # (N, c)
-            grad_target += torch.where(is_target, grad_logits, 0.0).sum(dim=1)
-            grad_cos = (torch.where(is_target, 0.0, grad_logits) * ctx.scale).to(norm_weight.dtype)
-            grad_embeddings += grad_cos @ norm_weight[start:stop]
-            grad_weight[start:stop] = grad_cos.T @ norm_embeddings
-        return grad_embeddings.to(norm_embeddings.dtype), grad_weight, grad_target, None, None, None
+        for start in range(0, num_taking_part, ctx.block_size):
+            stop = min(start + ctx.block_size, num_taking_part)
+            rows = _block_rows(weight, row_index, start, stop)  # (c, D)
+            if kept is None:
+                logits_t = _block_logits(rows, mm_embeddings, target_pos, start, ctx.scale)
+                grad_cos_t = logits_t.sub_(shift).exp_().mul_(grad_scale)  # (c, N)
+            else:  # masked target entries hold exp(-inf) = 0: no gradient through them
+                grad_cos_t = kept[start:stop] * grad_scale
+            # cos_ji = <rows_j, e_i> / |rows_j|: fold 1/|rows_j| into the gradient first.
+            inv_norm = 1.0 / _row_norms(rows, stats_dtype).clamp_min(_norm_eps(rows.dtype))
+            grad_raw_t = grad_cos_t.mul_(inv_norm[:, None]).to(matmul_dtype)  # (c, N)
+            grad_embeddings += (grad_raw_t.T @ rows.to(matmul_dtype)).to(stats_dtype)
+            if want_weight:
+                grad_rows = (grad_raw_t @ mm_embeddings).to(stats_dtype)  # (c, D)
+                grad_rows = _remove_radial_part(grad_rows, rows, inv_norm)
+                if row_index is None:
+                    grad_weight[start:stop] = grad_rows
+                else:
+                    grad_weight.index_copy_(0, row_index[start:stop], grad_rows.to(weight.dtype))
+
+        # The target cosine: cos_i = <e_i, normalize(w_t(i))>, computed in the stats dtype.
+        owned = target_row >= 0
+        grad_target = torch.where(owned, grad_target_cos, 0.0)[:, None]  # (N, 1)
+        grad_embeddings += grad_target * target_rows
+        if want_weight:
+            raw_rows = weight[target_row.clamp(min=0)].to(stats_dtype)
+            grad_rows = _l2_normalize_backward(raw_rows, grad_target * norm_embeddings)
+            grad_weight.index_add_(0, target_row[owned], grad_rows[owned].to(weight.dtype))
+        return grad_embeddings, grad_weight, None, None, None, None, None, None
+
+
+def _norm_eps(dtype: torch.dtype) -> float:
+    return max(NORM_EPS, torch.finfo(dtype).tiny)
+
+
+def _row_norms(rows: Tensor, dtype: torch.dtype) -> Tensor:
+    """L2 norm (c,) of each row, accumulated in `dtype`."""
+    return torch.linalg.vector_norm(rows, dim=1, dtype=dtype)
+
+
+def _remove_radial_part(grad_rows: Tensor, rows: Tensor, inv_norm: Tensor) -> Tensor:
+    """The derivative of normalisation, given grad_rows = (d loss / d normalised row) / |row|.
+
+    d loss / d row = (g - y <y, g>) / |row| with y = row / |row|; `grad_rows` already holds
+    g / |row|, so this subtracts row <row, grad_rows> / |row|^2 in place. A row shorter than
+    the eps (F.normalize divides it by the eps instead of its norm) keeps grad_rows as is.
+    """
+    norms_known = inv_norm < 1.0 / _norm_eps(rows.dtype)
+    rows = rows.to(grad_rows.dtype)
+    # Row-wise dot products and the update without a (c, D) temporary.
+    dots = torch.bmm(rows[:, None, :], grad_rows[:, :, None]).view(-1)  # (c,)
+    coefficient = torch.where(norms_known, dots * inv_norm**2, 0.0)
+    return grad_rows.addcmul_(rows, coefficient[:, None], value=-1.0)
+
+
+def _target_positions(row_index: Tensor | None, target_row: Tensor, owned: Tensor) -> Tensor:
+    """Each row's target as a position among the taking-part classes (N,), -1 if not owned."""
+    if row_index is None:
+        return target_row
+    # Positives always take part, so an owned target is found in the sorted row_index.
+    return torch.where(owned, torch.searchsorted(row_index, target_row.clamp(min=0)), -1)
+
+
+def _block_rows(weight: Tensor, row_index: Tensor | None, start: int, stop: int) -> Tensor:
+    """The raw class rows of taking-part positions [start, stop): a view, or a gathered copy."""
+    if row_index is None:
+        return weight[start:stop]
+    return weight.index_select(0, row_index[start:stop])
+
+
+def _block_logits(
+    rows: Tensor,
+    mm_embeddings: Tensor,
+    target_pos: Tensor,
+    start: int,
+    scale: float,
+    out: Tensor | None = None,
+) -> Tensor:
+    """s * cos (c, N) of class rows `rows` (c, D) against every embedding, targets set to -inf.
+
+    The matmul runs in mm_embeddings' dtype on the raw rows; the result, in the dtype of the
+    statistics (of `out` when given, which receives it), is scaled row by row by s / |row|.
+    """
+    stats_dtype = (
+        out.dtype if out is not None else torch.promote_types(mm_embeddings.dtype, torch.float32)
+    )
+    mm_rows = rows.to(mm_embeddings.dtype)
+    if out is not None and mm_rows.dtype == out.dtype:
+        logits_t = torch.mm(mm_rows, mm_embeddings.T, out=out)
+    elif out is not None:
+        logits_t = out.copy_(mm_rows @ mm_embeddings.T)
+    else:
+        logits_t = (mm_rows @ mm_embeddings.T).to(stats_dtype)
+    norms = _row_norms(rows, logits_t.dtype).clamp_min(_norm_eps(rows.dtype))
+    logits_t.mul_((scale / norms)[:, None])
+    _mask_targets_(logits_t, target_pos, start)
+    return logits_t
+
+
+def _mask_targets_(logits_t: Tensor, target_pos: Tensor, start: int) -> None:
+    """Set each row's target entry of the block (c, N) to -inf in place, if it lies in the block.
+
+    Works on N entries (gather, where, scatter) rather than a (c, N) mask, and never asks the
+    host which rows match, so there is no device synchronisation per block.
+    """
+    offset = target_pos - start  # (N,)
+    inside = (offset >= 0) & (offset < logits_t.shape[0])
+    index = offset.clamp(0, logits_t.shape[0] - 1)[None, :]  # (1, N)
+    current = logits_t.gather(0, index)
+    logits_t.scatter_(0, index, torch.where(inside[None, :], -math.inf, current))
+
+
+def _finite_or_zero(row_max: Tensor) -> Tensor:
+    # A row whose every entry so far is masked has max -inf; -inf - -inf would be NaN.
+    return torch.where(torch.isfinite(row_max), row_max, 0.0)
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `factor` (see the convention)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, tensor: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.factor, None
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce SUM whose backward is the identity.
+
+    Every rank goes on to compute the same loss from the same sum, so the loss is ONE function
+    of every rank's addend: d loss / d addend_r = d loss / d sum, which each rank already
+    holds. (Summing the gradient over ranks too would count the one loss W times.)
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, tensor: Tensor, group: ProcessGroup | None
+    ) -> Tensor:
+        summed = tensor.clone()
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+        return summed
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def _class_priority(class_start: int, num_local: int, key: int, device: torch.device) -> Tensor:
+    """A pseudo-random 31-bit priority (num_local,) int64 of global classes [start, start + n).
+
+    A bijective integer hash of the global class id under `key`: xor with the key, then
+    rounds of multiply-by-odd and xor-shift, all mod 2**31 (products stay below 2**62, so
+    int64 never overflows). Distinct classes get distinct priorities, and a class's
+    priority does not depend on which rank or device computes it.
+    """
+    h = torch.arange(class_start, class_start + num_local, dtype=torch.int64, device=device)
+    h = h ^ (key & HASH_MASK)
+    for multiplier in HASH_MULTIPLIERS:
+        h = (h * multiplier) & HASH_MASK
+        h = h ^ (h >> 15)
+    return h
+
+
+def _sampling_key(seed: int, step: int) -> int:
+    """A 31-bit key from (seed, step): splitmix64's finaliser on a combination of the two."""
+    z = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % (1 << 64)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    return (z ^ (z >> 31)) & HASH_MASK
 
 
 class ShardedMarginSoftmax(nn.Module):
-    """Cross-entropy over cosine logits with a margin on the target class: the training head.
+    """Cross-entropy over cosine logits with a margin on the target class, classes sharded.
 
-    Holds this rank's block of class rows, `weight` (num_local, embedding_size), for classes
-    [class_start, class_start + num_local) of `num_classes` (see `shard_range`), initialised
-    N(0, 0.01). Embeddings and class rows are L2-normalised inside, so logits are s * cos.
+    Splits `num_classes` over the ranks of `group` (the default group when None; a world of
+    one when no process group exists) as `shard_range` does, and holds this rank's block of
+    class rows, `weight` (num_local, embedding_size), for classes [class_start, class_start +
+    num_local), initialised N(0, 0.01). The weight and so its optimizer state exist on the
+    owning rank only. Embeddings and class rows are L2-normalised inside, so logits are s*cos.
 
-    `margin` supplies psi and s (see margins.py). `chunk_size` computes the logits that many
-    classes at a time and recomputes them in backward (memory O(batch x chunk_size) instead
-    of O(batch x num_local)); None computes the whole shard at once. `sample_rate` < 1 (partial
-    FC class sampling) and a process group of more than one rank are not implemented yet and
-    raise NotImplementedError.
+    `margin` supplies psi and s (see margins.py); it must act element-wise. `chunk_size`
+    computes the logits that many classes at a time and recomputes them in backward (memory
+    O(global batch x chunk_size) instead of O(global batch x num_local)); None computes the
+    whole shard at once. `sample_rate` < 1 turns on partial FC, with `seed` fixing the
+    sampling (see the module docstring and `attach_optimizer`).
 
-    Precision: the inputs and the weight may be half precision, and so may the logits matmul
-    (under autocast, the autocast dtype; otherwise the wider of the two input dtypes); the
-    target cosine, margin, softmax statistics and loss are float32, or float64 when the
-    embeddings or the weight are float64.
+    Every rank must call forward with the same local batch size; the loss is the mean over
+    the global batch, identical on every rank. See the module docstring for the gradient
+    convention under DDP (the gradient reaching the embeddings is scaled by the world size).
 
-    After each forward, `last_accuracy` holds a detached 0-dim tensor: the share of rows whose
-    margin-adjusted target logit is the largest logit of the row (insightface's training
-    accuracy), for logging. It is None before the first forward.
+    After each forward, `last_accuracy` holds a detached 0-dim tensor: the share of rows of
+    the global batch whose margin-adjusted target logit is the largest logit of the row
+    (insightface's training accuracy), for logging; `sampled_index` holds the local rows
+    (sorted int64) that the last forward's softmax used, or None when it used them all.
     """
 
     def __init__(
@@ -203,27 +433,20 @@ class ShardedMarginSoftmax(nn.Module):
         sample_rate: float = 1.0,
         chunk_size: int | None = None,
         group: ProcessGroup | None = None,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         if num_classes < 1:
             raise ValueError(f"num_classes: must be >= 1, got {num_classes}")
+        if num_classes > MAX_CLASSES:
+            raise ValueError(f"num_classes: at most {MAX_CLASSES} supported, got {num_classes}")
         if embedding_size < 1:
             raise ValueError(f"model.embedding_size: must be >= 1, got {embedding_size}")
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"head.sample_rate: {sample_rate} is outside (0, 1]")
-        if sample_rate != 1.0:
-            raise NotImplementedError(
-                f"head.sample_rate={sample_rate}: partial FC class sampling is not implemented "
-                "yet; use head.sample_rate=1.0"
-            )
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"head.chunk_size: must be at least 1 (or None), got {chunk_size}")
         num_ranks = distributed.world_size(group)
-        if num_ranks > 1:
-            raise NotImplementedError(
-                f"ShardedMarginSoftmax: world size {num_ranks}; the sharded (multi-process) head "
-                "is not implemented yet, run on one process"
-            )
         if num_classes < num_ranks:
             raise ValueError(
                 f"num_classes: {num_classes} classes cannot be split over {num_ranks} ranks"
@@ -234,103 +457,257 @@ class ShardedMarginSoftmax(nn.Module):
         self.sample_rate = sample_rate
         self.chunk_size = chunk_size
         self.group = group
-        self.class_start, self.num_local = shard_range(
-            num_classes, num_ranks, distributed.rank(group)
-        )
+        self.seed = seed
+        self.world_size = num_ranks
+        self.rank = distributed.rank(group)
+        self.class_start, self.num_local = shard_range(num_classes, num_ranks, self.rank)
+        # Partial FC keeps this many classes per rank, or more when the batch has more positives.
+        self.num_sample = min(self.num_local, max(1, round(sample_rate * self.num_local)))
         self.weight = nn.Parameter(torch.empty(self.num_local, embedding_size))
         nn.init.normal_(self.weight, mean=0.0, std=WEIGHT_INIT_STD)
         self.last_accuracy: Tensor | None = None
+        self.sampled_index: Tensor | None = None
+        self.sampling_step = 0
+        # Rows sampled since the optimizer's last step (bool (num_local,)), for attach_optimizer.
+        self._rows_to_update: Tensor | None = None
+        self._optimizer_hooks: list[Any] = []
 
     def extra_repr(self) -> str:
         return (
             f"num_classes={self.num_classes}, embedding_size={self.embedding_size}, "
             f"class_start={self.class_start}, num_local={self.num_local}, "
-            f"chunk_size={self.chunk_size}"
+            f"world_size={self.world_size}, chunk_size={self.chunk_size}, "
+            f"sample_rate={self.sample_rate}"
         )
 
-    def forward(self, local_embeddings: Tensor, local_labels: Tensor) -> Tensor:
-        """Mean margin cross-entropy of this rank's batch (after gathering: of the global one).
+    def _samples_classes(self) -> bool:
+        """True when a forward now uses partial FC: sample_rate < 1, training, grad enabled."""
+        return self.num_sample < self.num_local and self.training and torch.is_grad_enabled()
 
-        Takes embeddings (B, embedding_size), any float dtype, unnormalised, and integer
-        labels (B,) in [0, num_classes). Returns a 0-dim float32 loss (float64 when the inputs
-        are float64). Sets `last_accuracy`.
+    def forward(self, local_embeddings: Tensor, local_labels: Tensor) -> Tensor:
+        """Mean margin cross-entropy of the global batch (every rank's batch, gathered).
+
+        Takes this rank's embeddings (B, embedding_size), any float dtype, unnormalised, and
+        integer labels (B,) in [0, num_classes); every rank of the group must pass the same B.
+        Returns a 0-dim float32 loss (float64 when the inputs are float64), the same on every
+        rank. Sets `last_accuracy` and `sampled_index`. Bad input on any rank raises
+        ValueError on every rank (so that none is left waiting in a collective).
         """
         self._check_inputs(local_embeddings, local_labels)
-        local_labels = local_labels.to(local_embeddings.device)
+        local_labels = local_labels.to(device=local_embeddings.device, dtype=torch.int64)
 
-        # ---- gather: (B, D) -> (N, D), N = B * W. W = 1 here; the sharded head all-gathers
-        # embeddings (with autograd) and labels over the group.
-        embeddings, labels = local_embeddings, local_labels
-
-        input_dtype = torch.promote_types(embeddings.dtype, self.weight.dtype)
+        input_dtype = torch.promote_types(local_embeddings.dtype, self.weight.dtype)
         compute_dtype = torch.promote_types(input_dtype, torch.float32)
-        device_type = embeddings.device.type
+        device_type = local_embeddings.device.type
         if torch.is_autocast_enabled(device_type):
             matmul_dtype = torch.get_autocast_dtype(device_type)
         else:
             matmul_dtype = input_dtype
+        scale = self.margin.scale
 
-        # The embeddings are small (N x D): normalise them in float32 for accuracy. The class
-        # rows are as large as the weight itself: normalise them in the weight's own dtype.
-        norm_embeddings = _l2_normalize(embeddings.to(compute_dtype))  # (N, D)
-        norm_weight = _l2_normalize(self.weight)  # (C_local, D)
+        # ---- gather: (B, D) -> (N, D), N = B * W, with autograd; labels without.
+        # Gathered in float32 (the embeddings are small), so the reduce-scatter of their
+        # gradient sums W terms in float32 too. The gradient is scaled by W on its way back:
+        # DDP's average over W ranks then gives the backbone the global-batch gradient.
+        local_embeddings = local_embeddings.to(compute_dtype)
+        if self.world_size > 1:
+            local_embeddings = _ScaleGradient.apply(local_embeddings, float(self.world_size))
+        embeddings = distributed.all_gather_autograd(local_embeddings, self.group)  # (N, D)
+        labels = distributed.all_gather_tensor(local_labels, self.group)  # (N,)
+        norm_embeddings = _l2_normalize(embeddings)  # (N, D), compute dtype
 
-        # ---- target logit, only on the rows whose label this rank owns.
+        # ---- which rows' labels this rank owns, and (partial FC) which classes take part.
         local_target = labels - self.class_start
         owned = (local_target >= 0) & (local_target < self.num_local)  # (N,)
-        target_index = torch.where(owned, local_target, -1)
-        target_rows = norm_weight[torch.where(owned, local_target, 0)].to(compute_dtype)
-        target_cos = (norm_embeddings * target_rows).sum(dim=1)  # (N,)
-        target_logit = self.margin.scale * self.margin(target_cos).to(compute_dtype)
-        target_logit = torch.where(owned, target_logit, 0.0)
+        target_row = torch.where(owned, local_target, -1)  # row of self.weight, or -1
+        row_index = self._sample_rows(target_row, owned) if self._samples_classes() else None
+        self.sampled_index = row_index
 
-        # ---- local statistics over this rank's classes, float32.
-        mm_embeddings = norm_embeddings.to(matmul_dtype)
-        mm_weight = norm_weight.to(matmul_dtype)
-        if self.chunk_size is None:
-            local_max, local_sumexp = _softmax_stats(
-                mm_embeddings, mm_weight, target_logit, target_index, self.margin.scale
-            )
+        # ---- local statistics over this rank's (taking-part) classes, float32.
+        keep_logits = self.chunk_size is None
+        nontarget_max, nontarget_sumexp, target_cos = _LocalClassStats.apply(
+            norm_embeddings, self.weight, row_index, target_row, scale,
+            BLOCK_SIZE if keep_logits else self.chunk_size, keep_logits, matmul_dtype,
+        )  # fmt: skip
+        target_logit = torch.where(owned, scale * self.margin(target_cos), 0.0)
+        # Fold the target column back in: max over both, sum-exp rescaled to that max. The
+        # max is a constant for autograd: log(sum exp(z - c)) + c does not depend on c.
+        local_max = torch.maximum(
+            nontarget_max, torch.where(owned, target_logit.detach(), -math.inf)
+        )
+        local_sumexp = nontarget_sumexp * torch.exp(nontarget_max - local_max)
+        # exp of -inf (not of the masked value) on unowned rows: no inf * 0 in backward.
+        local_sumexp = local_sumexp + torch.exp(
+            torch.where(owned, target_logit - local_max, -math.inf)
+        )
+
+        # ---- global statistics: all-reduce MAX of the max, then SUM of the sum-exp rescaled
+        # to the global max and of the target logit (zero on ranks that do not own the label).
+        if self.world_size > 1:
+            global_max = local_max.detach().clone()
+            dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=self.group)
+            rescaled_sumexp = local_sumexp * torch.exp(local_max - global_max)
+            summed = _SumOverRanks.apply(torch.stack([rescaled_sumexp, target_logit]), self.group)
+            global_sumexp, global_target = summed.unbind(0)
         else:
-            local_max, local_sumexp = _ChunkedSoftmaxStats.apply(
-                mm_embeddings, mm_weight, target_logit, target_index,
-                self.margin.scale, self.chunk_size,
-            )  # fmt: skip
-
-        # ---- global statistics. W = 1 here; the sharded head all-reduces MAX of local_max,
-        # then SUM of local_sumexp * exp(local_max - global_max), and SUM of target_logit
-        # (zero on the ranks that do not own the label).
-        global_max = local_max
-        global_sumexp = local_sumexp * torch.exp(local_max - global_max)
-        global_target = target_logit
+            global_max, global_sumexp, global_target = local_max, local_sumexp, target_logit
 
         # log softmax of the target: -(target - log sum exp(logits)).
         loss = torch.log(global_sumexp) + global_max - global_target  # (N,)
         self.last_accuracy = (global_target >= global_max).to(compute_dtype).mean().detach()
         return loss.mean()
 
-    def _check_inputs(self, local_embeddings: Tensor, local_labels: Tensor) -> None:
-        if local_embeddings.ndim != 2 or local_embeddings.shape[1] != self.embedding_size:
+    # ---------------------------------------------------------------- partial FC
+
+    def _sample_rows(self, target_row: Tensor, owned: Tensor) -> Tensor:
+        """Local rows (K,) sorted that take part this step: positives plus random others."""
+        positives = torch.unique(target_row[owned])  # sorted
+        num_keep = max(int(positives.numel()), self.num_sample)
+        key = _sampling_key(self.seed, self.sampling_step)
+        self.sampling_step += 1
+        priority = _class_priority(self.class_start, self.num_local, key, target_row.device)
+        priority[positives] = MAX_CLASSES  # above every hash value: positives come first
+        row_index = torch.topk(priority, num_keep, sorted=False).indices.sort().values
+        # A new accumulation cycle starts when the gradients were dropped (zero_grad sets them
+        # to None); within one, every micro-batch's rows are updated at the step.
+        sampled = torch.zeros(self.num_local, dtype=torch.bool, device=row_index.device)
+        sampled[row_index] = True
+        if self._rows_to_update is None or self.weight.grad is None:
+            self._rows_to_update = sampled
+        else:
+            self._rows_to_update |= sampled
+        return row_index
+
+    def attach_optimizer(
+        self, optimizer: torch.optim.Optimizer, param: nn.Parameter | None = None
+    ) -> None:
+        """Make `optimizer` update only the class rows sampled since its last step.
+
+        For partial FC (sample_rate < 1); with sample_rate = 1 this does nothing. Call it once,
+        after building the optimizer. `param` is the tensor the optimizer steps for
+        `self.weight`: the weight itself (the default) or, when the optimizer holds an fp32
+        master copy instead (precision O2), that master.
+
+        How: hooks around `optimizer.step()`. Before it, the parameter, its gradient and every
+        optimizer state tensor of the parameter's shape (SGD's momentum buffer, Adam's
+        moments) are swapped for their sampled rows; the optimizer steps those (momentum, weight
+        decay and all); after it, the rows are written back and the full tensors restored.
+        Unsampled rows and their state are untouched, bit for bit, and state created on the
+        first step is zero for rows not yet sampled (a momentum buffer starting at zero is
+        what SGD's first step amounts to). Per-parameter scalars (Adam's step count) count
+        every optimizer step. Extra memory during the step: the sampled rows of the weight,
+        its gradient and its state (about 3 x sample_rate x the weight for SGD).
+        """
+        if self.num_sample == self.num_local:
+            return
+        target = self.weight if param is None else param
+        if not any(p is target for group in optimizer.param_groups for p in group["params"]):
             raise ValueError(
+                "attach_optimizer: the optimizer does not hold the head's weight; under "
+                "precision O2 pass its fp32 master as `param`"
+            )
+        if target.shape != self.weight.shape:
+            raise ValueError(
+                f"attach_optimizer: param has shape {tuple(target.shape)}, the weight "
+                f"{tuple(self.weight.shape)}"
+            )
+        swapped: dict[str, Any] = {}
+
+        def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            mask = self._rows_to_update
+            if mask is None or bool(mask.all()):
+                return
+            rows = mask.nonzero().squeeze(1)
+            state = opt.state[target]
+            full_state = {
+                name: value
+                for name, value in state.items()
+                if torch.is_tensor(value) and value.shape == target.shape
+            }
+            swapped.update(rows=rows, data=target.data, grad=target.grad, state=full_state)
+            target.data = target.data[rows]
+            if swapped["grad"] is not None:
+                target.grad = swapped["grad"][rows]
+            for name, value in full_state.items():
+                state[name] = value[rows]
+
+        def after_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            self._rows_to_update = None
+            if not swapped:
+                return
+            rows, full_data = swapped["rows"], swapped["data"]
+            full_data.index_copy_(0, rows, target.data)
+            sampled_shape = target.shape
+            target.data = full_data
+            target.grad = swapped["grad"]
+            state = opt.state[target]
+            for name, value in list(state.items()):
+                if not (torch.is_tensor(value) and value.shape == sampled_shape):
+                    continue
+                full = swapped["state"].get(name)
+                if full is None:  # created by this step: zero for the rows never sampled
+                    full = torch.zeros(full_data.shape, dtype=value.dtype, device=value.device)
+                full.index_copy_(0, rows, value)
+                state[name] = full
+            swapped.clear()
+
+        self._optimizer_hooks.append(optimizer.register_step_pre_hook(before_step))
+        self._optimizer_hooks.append(optimizer.register_step_post_hook(after_step))
+
+    # ---------------------------------------------------------------- input checks
+
+    def _check_inputs(self, local_embeddings: Tensor, local_labels: Tensor) -> None:
+        error = self._input_error(local_embeddings, local_labels)
+        if self.world_size == 1:
+            if error is not None:
+                raise ValueError(error)
+            return
+        # Every rank must learn of any rank's bad input: a rank that raised alone would leave
+        # the others waiting in the next collective until the timeout.
+        batch_size = local_embeddings.shape[0] if local_embeddings.ndim > 0 else 0
+        status = torch.tensor(
+            [batch_size, error is not None], dtype=torch.int64, device=local_embeddings.device
+        )
+        statuses = distributed.all_gather_tensor(status, self.group).view(-1, 2).tolist()
+        if error is not None:
+            raise ValueError(f"rank {self.rank}: {error}")
+        failed = [rank for rank, (_, bad) in enumerate(statuses) if bad]
+        if failed:
+            raise ValueError(
+                f"ShardedMarginSoftmax: rank(s) {failed} passed invalid inputs (their own "
+                "error says which)"
+            )
+        sizes = [size for size, _ in statuses]
+        if len(set(sizes)) > 1:
+            raise ValueError(
+                f"local_embeddings: every rank must pass the same batch size, got {sizes} "
+                f"on ranks 0..{len(sizes) - 1}"
+            )
+
+    def _input_error(self, local_embeddings: Tensor, local_labels: Tensor) -> str | None:
+        """What is wrong with this rank's inputs, or None."""
+        if local_embeddings.ndim != 2 or local_embeddings.shape[1] != self.embedding_size:
+            return (
                 f"local_embeddings: expected shape (batch, {self.embedding_size}), "
                 f"got {tuple(local_embeddings.shape)}"
             )
         if not local_embeddings.is_floating_point():
-            raise ValueError(f"local_embeddings: expected floats, got {local_embeddings.dtype}")
+            return f"local_embeddings: expected floats, got {local_embeddings.dtype}"
         if local_embeddings.shape[0] == 0:
-            raise ValueError("local_embeddings: the batch is empty")
+            return "local_embeddings: the batch is empty"
         if local_labels.shape != local_embeddings.shape[:1]:
-            raise ValueError(
+            return (
                 f"local_labels: expected shape ({local_embeddings.shape[0]},) to match the "
                 f"embeddings, got {tuple(local_labels.shape)}"
             )
         if local_labels.dtype not in INTEGER_DTYPES:
-            raise ValueError(f"local_labels: expected integer labels, got {local_labels.dtype}")
+            return f"local_labels: expected integer labels, got {local_labels.dtype}"
         # One host sync per step; a silent out-of-range label would train the wrong class.
         out_of_range = (local_labels < 0) | (local_labels >= self.num_classes)
         if bool(out_of_range.any()):
             bad = int(local_labels[out_of_range][0])
-            raise ValueError(
+            return (
                 f"local_labels: label {bad} is outside [0, {self.num_classes}) "
                 f"(head has num_classes={self.num_classes})"
             )
+        return None

@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print tables and write JSON (not tests)."""

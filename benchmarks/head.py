@@ -1,0 +1,577 @@
+"""Benchmark of the margin-softmax head: time per step, peak memory per rank, communication.
+
+    python -m benchmarks.head                       # the default CPU grid, up to 1M classes
+    python -m benchmarks.head --classes 10000 --steps 2 --json head.json
+
+For each number of classes C of the grid (global batch N, embedding size D), one training
+step of the head - forward, backward, SGD step (momentum 0.9) - is timed for:
+
+    naive            one process holds the full (C, D) matrix: F.linear + margin + F.cross_entropy
+    gather-to-one    W processes each compute their (N, C/W) logit slice; rank 0 gathers the
+                     slices, takes F.cross_entropy over the full (N, C) logits and scatters
+                     the logit gradients back (the common model-parallel pattern)
+    sharded          ShardedMarginSoftmax on W processes, whole shard at once (chunk_size None)
+    sharded-chunked  the same with --chunk-size classes per chunk
+    sharded / sharded-chunked at W = 1: the module on one process (same resources as naive)
+
+Every case runs in fresh processes (one per rank), so no allocation of one case lingers in
+the next. Per rank it reports:
+
+- time per step: median over --steps steps; for W ranks the slowest rank's median (a step
+  ends when every rank is done);
+- peak memory, measured over one separate step after the warm-up: on CPU, the peak resident
+  set size minus the RSS before the case allocated anything (Linux: the kernel's peak,
+  VmHWM, is reset through /proc/self/clear_refs just before the step). During that step
+  glibc serves every allocation above 64 KiB with mmap (mallopt M_MMAP_THRESHOLD), so a
+  freed tensor leaves the RSS at once and the RSS tracks live memory; the timed steps then
+  run with the threshold at 32 MiB, where allocations are recycled as usual. Before the
+  baseline, one step of the same method on a tiny problem loads the kernels' code pages and
+  the runtime's first-use buffers. On CUDA: torch.cuda.max_memory_allocated() minus the
+  allocation before the case;
+- floor: weight + gradient + momentum of the classes the rank holds, 3 x C_rank x D x 4 bytes;
+  extra = peak - floor: what the head's computation costs on top;
+- bytes sent per step by the rank, counted from the tensors handed to torch.distributed under
+  ring algorithms: all-gather (W-1) x input, reduce-scatter (W-1)/W x input, all-reduce
+  2 (W-1)/W x tensor, gather/scatter the slices that leave the rank.
+
+Ratios are against `naive` measured in the same run. Weight decay is 0: torch's SGD adds it
+into a new weight-sized tensor at every step, the same for every method, which would hide
+the head's own memory. Threads per process: --threads (1 by default; with W = 2 the sharded
+cases use two cores where naive uses one - the W = 1 rows compare like with like).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# (method, whether it runs on --world-size ranks or on one process)
+METHODS = {
+    "naive": False,
+    "gather-to-one": True,
+    "sharded": True,
+    "sharded-chunked": True,
+}
+
+
+@dataclass
+class Case:
+    method: str
+    world_size: int
+    num_classes: int
+    batch_size: int  # global batch N
+    embedding_size: int
+    chunk_size: int | None
+    steps: int
+    warmup: int
+    threads: int
+    device: str
+    autocast: str | None
+
+
+# ---------------------------------------------------------------- measurement helpers
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(match.group(1)) if match else None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter (VmHWM) to the current RSS; False if impossible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _set_mmap_threshold(num_bytes: int) -> bool:
+    """glibc mallopt(M_MMAP_THRESHOLD): allocations above `num_bytes` use mmap; False if absent."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, num_bytes))  # -3: M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
+class CommCounter:
+    """Counts the bytes this rank sends through torch.distributed (ring-algorithm model)."""
+
+    def __init__(self, world_size: int, rank: int) -> None:
+        import torch.distributed as dist
+
+        self.world_size, self.rank, self.bytes_sent, self.calls = world_size, rank, 0.0, 0
+        w = world_size
+
+        def nbytes(tensor) -> int:
+            return tensor.numel() * tensor.element_size()
+
+        def wrap(name, sent):
+            original = getattr(dist, name)
+
+            def counted(*args, **kwargs):
+                self.bytes_sent += sent(*args, **kwargs)
+                self.calls += 1
+                return original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+        wrap("all_gather_single", lambda out, inp, *a, **k: (w - 1) * nbytes(inp))
+        wrap("reduce_scatter_single", lambda out, inp, *a, **k: (w - 1) / w * nbytes(inp))
+        wrap("all_reduce", lambda t, *a, **k: 2 * (w - 1) / w * nbytes(t))
+
+        def gather_sent(tensor, gather_list=None, dst=0, *a, **k):
+            return 0 if rank == dst else nbytes(tensor)
+
+        def scatter_sent(tensor, scatter_list=None, src=0, *a, **k):
+            if rank != src:
+                return 0
+            return sum(nbytes(t) for i, t in enumerate(scatter_list) if i != src)
+
+        wrap("gather", gather_sent)
+        wrap("scatter", scatter_sent)
+
+    def reset(self) -> None:
+        self.bytes_sent, self.calls = 0.0, 0
+
+
+# ---------------------------------------------------------------- the methods
+
+
+def _build(case: Case, rank: int, device):
+    """Returns step(), a function running one training step, and the rank's class count."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from recognition import distributed
+    from recognition.heads import ArcFace, ShardedMarginSoftmax, shard_range
+
+    margin = ArcFace(s=64.0, m=0.5)
+    w = case.world_size
+    local_batch = case.batch_size // w
+    generator = torch.Generator().manual_seed(1234)
+    global_embeddings = torch.randn(case.batch_size, case.embedding_size, generator=generator)
+    global_labels = torch.randint(0, case.num_classes, (case.batch_size,), generator=generator)
+    rows = slice(rank * local_batch, (rank + 1) * local_batch)
+    local_embeddings = global_embeddings[rows].to(device).requires_grad_(True)
+    local_labels = global_labels[rows].to(device)
+
+    def autocast():
+        if case.autocast is None:
+            return torch.autocast(device.type, enabled=False)
+        return torch.autocast(device.type, dtype=getattr(torch, case.autocast))
+
+    if case.method.startswith("sharded"):
+        chunk = case.chunk_size if case.method == "sharded-chunked" else None
+        head = ShardedMarginSoftmax(
+            case.num_classes, case.embedding_size, margin, chunk_size=chunk
+        ).to(device)
+        optimizer = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            local_embeddings.grad = None
+            with autocast():
+                loss = head(local_embeddings, local_labels)
+            loss.backward()
+            optimizer.step()
+
+        return step, head.num_local
+
+    if case.method == "naive":
+        weight = torch.nn.Parameter(
+            torch.randn(case.num_classes, case.embedding_size, device=device) * 0.01
+        )
+        optimizer = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            local_embeddings.grad = None
+            with autocast():
+                cos = F.linear(F.normalize(local_embeddings), F.normalize(weight)).float()
+                target = margin(cos.gather(1, local_labels[:, None]))
+                logits = cos.scatter(1, local_labels[:, None], target) * margin.scale
+                loss = F.cross_entropy(logits, local_labels)
+            loss.backward()
+            optimizer.step()
+
+        return step, case.num_classes
+
+    if case.method == "gather-to-one":
+        if case.num_classes % w:
+            raise ValueError("gather-to-one: --classes must be divisible by --world-size")
+        start, num_local = shard_range(case.num_classes, w, rank)
+        weight = torch.nn.Parameter(
+            torch.randn(num_local, case.embedding_size, device=device) * 0.01
+        )
+        optimizer = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            local_embeddings.grad = None
+            embeddings = distributed.all_gather_autograd(local_embeddings)  # (N, D)
+            labels = distributed.all_gather_tensor(local_labels)  # (N,)
+            with autocast():
+                cos = F.linear(F.normalize(embeddings), F.normalize(weight)).float()  # (N, C/W)
+                local_target = labels - start
+                owned = (local_target >= 0) & (local_target < num_local)
+                index = torch.where(owned, local_target, 0)[:, None]
+                target = torch.where(
+                    owned[:, None], margin(cos.gather(1, index)), cos.gather(1, index)
+                )
+                logits = cos.scatter(1, index, target) * margin.scale  # (N, C/W)
+            slice_ = logits.detach().contiguous()
+            grad_slice = torch.empty_like(slice_)
+            if rank == 0:
+                slices = [torch.empty_like(slice_) for _ in range(w)]
+                dist.gather(slice_, slices, dst=0)
+                full = torch.cat(slices, dim=1).requires_grad_(True)  # (N, C) on rank 0
+                F.cross_entropy(full, labels).backward()
+                grads = [g.contiguous() for g in full.grad.split(num_local, dim=1)]
+                del full, slices
+                dist.scatter(grad_slice, grads, src=0)
+                del grads
+            else:
+                dist.gather(slice_, dst=0)
+                dist.scatter(grad_slice, src=0)
+            logits.backward(grad_slice)
+            optimizer.step()
+
+        return step, num_local
+
+    raise ValueError(f"unknown method {case.method!r}")
+
+
+def run_rank(case: Case, rank: int, rendezvous: str) -> dict:
+    """One rank of one case, in a fresh process: returns its measurements."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(case.threads)
+    device = torch.device(case.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    counter = None
+    if case.world_size > 1:
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"file://{rendezvous}",
+            rank=rank,
+            world_size=case.world_size,
+            timeout=datetime.timedelta(seconds=1800),
+        )
+        counter = CommCounter(case.world_size, rank)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if case.world_size > 1:
+            dist.barrier()
+
+    # Memory is measured with every CPU allocation above 64 KiB served by mmap, so that a
+    # freed tensor leaves the RSS at once; time is measured afterwards with a 32 MiB threshold
+    # (glibc's default once warmed up), where allocations are recycled as usual.
+    precise_rss = device.type == "cpu" and _set_mmap_threshold(64 * 1024)
+    # A step of the same method on a tiny problem first: the kernels' code pages and the
+    # runtime's first-use buffers (a couple of hundred MiB of RSS on CPU) then belong to the
+    # baseline, not to the case.
+    tiny = Case(**{**asdict(case), "num_classes": 64 * case.world_size})
+    tiny_step, _ = _build(tiny, rank, device)
+    tiny_step()
+    del tiny_step
+    sync()
+    if device.type == "cuda":
+        base = torch.cuda.memory_allocated(device)
+    else:
+        base = _proc_status_kib("VmRSS") * 1024
+    step, num_rows = _build(case, rank, device)
+    for _ in range(case.warmup):
+        step()
+    sync()
+
+    # ---- memory and communication: one step
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        peak_method = "torch.cuda.max_memory_allocated"
+    elif _reset_peak_rss():
+        peak_method = "VmHWM after clear_refs" + (", mmap threshold 64 KiB" if precise_rss else "")
+    else:
+        peak_method = "ru_maxrss (whole process)"
+    if counter is not None:
+        counter.reset()
+    step()
+    sync()
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) - base
+    elif peak_method.startswith("VmHWM"):
+        peak = _proc_status_kib("VmHWM") * 1024 - base
+    else:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    bytes_sent = counter.bytes_sent if counter else 0.0
+    calls = counter.calls if counter else 0
+
+    # ---- time: median of --steps steps
+    if precise_rss:
+        _set_mmap_threshold(32 * 1024 * 1024)
+        step()  # let the allocator settle into the new threshold
+    times = []
+    for _ in range(case.steps):
+        sync()
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    result = {
+        "rank": rank,
+        "step_s": statistics.median(times),
+        "peak_bytes": peak,
+        "floor_bytes": 3 * num_rows * case.embedding_size * 4,
+        "bytes_sent_per_step": bytes_sent,
+        "collectives_per_step": calls,
+        "peak_method": peak_method,
+    }
+    sync()
+    if case.world_size > 1:
+        dist.destroy_process_group()
+    return result
+
+
+def matmul_gflops(device_name: str, threads: int, dtype_name: str | None) -> float:
+    """Achieved GFLOP/s of a plain large matmul on one process with --threads threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    device = torch.device(device_name)
+    dtype = getattr(torch, dtype_name) if dtype_name else torch.float32
+    size = 4096 if device.type == "cuda" else 1024
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    a @ b
+    best = math.inf
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / 5)
+    return 2 * size**3 / best / 1e9
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def run_case(case: Case, timeout_s: float) -> dict:
+    """Launch the case's ranks as fresh processes and merge what they report."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(case.threads))
+    with tempfile.TemporaryDirectory() as tmp:
+        rendezvous = str(Path(tmp) / "rendezvous")
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.head",
+                    "--worker",
+                    json.dumps(asdict(case)),
+                    "--rank",
+                    str(rank),
+                    "--rendezvous",
+                    rendezvous,
+                ],
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            for rank in range(case.world_size)
+        ]
+        ranks, errors = [], []
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            try:
+                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for other in procs:
+                    other.kill()
+                return {**asdict(case), "error": f"timed out after {timeout_s:.0f} s"}
+            lines = [line for line in out.splitlines() if line.startswith("{")]
+            if proc.returncode != 0 or not lines:
+                errors.append(
+                    err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}"
+                )
+            else:
+                ranks.append(json.loads(lines[-1]))
+        if errors:
+            for other in procs:
+                other.kill()
+            return {**asdict(case), "error": "; ".join(errors)}
+    peaks = [r["peak_bytes"] for r in ranks]
+    extras = [r["peak_bytes"] - r["floor_bytes"] for r in ranks]
+    return {
+        **asdict(case),
+        "step_s": max(r["step_s"] for r in ranks),
+        "peak_bytes_max": max(peaks),
+        "peak_bytes_min": min(peaks),
+        "peak_max_over_min": max(peaks) / max(min(peaks), 1),
+        "extra_bytes_max": max(extras),
+        "floor_bytes_max": max(r["floor_bytes"] for r in ranks),
+        "bytes_sent_per_step_max": max(r["bytes_sent_per_step"] for r in ranks),
+        "collectives_per_step": ranks[0]["collectives_per_step"],
+        "peak_method": ranks[0]["peak_method"],
+        "ranks": ranks,
+    }
+
+
+def head_flops(case: Case) -> float:
+    """Matmul FLOPs of one step of the head: forward 2NCD, backward 4NCD (+2NCD recomputed)."""
+    passes = 8 if case.method == "sharded-chunked" else 6
+    return passes * case.batch_size * case.num_classes * case.embedding_size
+
+
+def _mib(value: float) -> str:
+    return f"{value / 2**20:,.0f}"
+
+
+def _bytes(value: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def print_table(results: list[dict], reference_gflops: float) -> None:
+    header = (
+        f"{'classes':>9} {'method':<16} {'W':>2} {'ms/step':>9} {'x naive':>7} {'GFLOP/s':>8} "
+        f"{'peak MiB':>9} {'floor':>7} {'extra':>7} {'x naive':>8} {'max/min':>7} "
+        f"{'sent/step':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    naive = {r["num_classes"]: r for r in results if r["method"] == "naive" and "error" not in r}
+    for r in results:
+        name = f"{r['num_classes']:>9,} {r['method']:<16} {r['world_size']:>2}"
+        if "error" in r:
+            print(f"{name} ERROR: {r['error']}")
+            continue
+        base = naive.get(r["num_classes"])
+        time_ratio = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
+        extra_ratio = (
+            f"{r['extra_bytes_max'] / base['extra_bytes_max']:.3f}"
+            if base and base["extra_bytes_max"] > 0
+            else "-"
+        )
+        print(
+            f"{name} {r['step_s'] * 1e3:>9,.1f} {time_ratio:>7} {r['gflops']:>8.1f} "
+            f"{_mib(r['peak_bytes_max']):>9} {_mib(r['floor_bytes_max']):>7} "
+            f"{_mib(r['extra_bytes_max']):>7} {extra_ratio:>8} {r['peak_max_over_min']:>7.2f} "
+            f"{_bytes(r['bytes_sent_per_step_max']):>10}"
+        )
+    print(
+        f"\nreference: a plain square matmul (1024 on CPU, 4096 on CUDA) on one process runs at "
+        f"{reference_gflops:.1f} GFLOP/s. 'peak' is per rank (the largest rank), above the "
+        "process's memory before the case; 'floor' = weight + gradient + momentum of the rank's "
+        "classes; 'extra' = peak - floor; 'x naive' of extra compares with naive's extra; "
+        "'max/min' = largest / smallest rank peak; 'sent/step' = bytes the busiest rank sends; "
+        "'GFLOP/s' = the head's matmul FLOPs per step (6NCD, 8NCD chunked: the recomputation "
+        "counts) over the step time, all ranks together."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--classes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--batch-size", type=int, default=128, help="global batch N")
+    parser.add_argument("--embedding-size", type=int, default=128)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--chunk-size", type=int, default=8192)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--no-single", action="store_true", help="skip the sharded W=1 rows")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--autocast", default=None, choices=["bfloat16", "float16"])
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker is not None:
+        case = Case(**json.loads(args.worker))
+        print(json.dumps(run_rank(case, args.rank, args.rendezvous)), flush=True)
+        return 0
+    if args.batch_size % args.world_size:
+        parser.error(
+            f"--batch-size {args.batch_size} must be divisible by --world-size {args.world_size}"
+        )
+
+    cases = []
+    for num_classes in args.classes:
+        for method in args.methods:
+            sizes = [args.world_size] if METHODS[method] else [1]
+            if method.startswith("sharded") and not args.no_single and args.world_size > 1:
+                sizes = [1, args.world_size]
+            for world_size in sizes:
+                cases.append(
+                    Case(method, world_size, num_classes, args.batch_size, args.embedding_size,
+                         args.chunk_size, args.steps, args.warmup, args.threads, args.device,
+                         args.autocast)
+                )  # fmt: skip
+    reference_gflops = matmul_gflops(args.device, args.threads, args.autocast)
+    results = []
+    for case in cases:
+        print(
+            f"running {case.method} W={case.world_size} C={case.num_classes:,} ...", file=sys.stderr
+        )
+        result = run_case(case, args.timeout)
+        if "error" not in result:
+            result["gflops"] = head_flops(case) / result["step_s"] / 1e9
+        results.append(result)
+    print(
+        f"head benchmark: global batch {args.batch_size}, embedding {args.embedding_size}, "
+        f"chunk {args.chunk_size}, {args.threads} thread(s) per process, device {args.device}, "
+        f"{args.steps} timed steps after {args.warmup} warm-up\n"
+    )
+    print_table(results, reference_gflops)
+    if args.json is not None:
+        payload = {
+            "settings": vars(args) | {"json": str(args.json)},
+            "reference_gflops": reference_gflops,
+            "results": results,
+        }
+        args.json.write_text(json.dumps(payload, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
