@@ -172,6 +172,7 @@ def train(cfg: ExperimentConfig) -> Path:
         margin,
         sample_rate=cfg.head.sample_rate,
         chunk_size=cfg.head.chunk_size,
+        seed=cfg.seed,
     ).to(device)
 
     # ------------------------------------------------------------------ precision and optimizer
@@ -179,6 +180,10 @@ def train(cfg: ExperimentConfig) -> Path:
     precision.prepare(backbone, head)
     groups = param_groups([backbone, head], cfg.optim.weight_decay)
     optimizer = build_optimizer(precision.param_groups(groups), cfg.optim)
+    # Partial FC: the optimizer must only move the class rows sampled for the step (under
+    # O2 it steps the fp32 master of the head's weight, not the half weight itself).
+    head_master = next((m for _, p, m in precision.masters() if p is head.weight), None)
+    head.attach_optimizer(optimizer, head_master)
 
     # ------------------------------------------------------------------ schedule
     total_steps = cfg.train.epochs * steps_per_epoch
@@ -196,6 +201,7 @@ def train(cfg: ExperimentConfig) -> Path:
         precision.load_state_dict(state["precision"])
         scheduler.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"])
+        head.sampling_step = state["head_sampling_step"]
         step, epoch, batches_done = state["step"], state["epoch"], state["batches_done"]
         log.info(
             "resumed from %s at step %d (epoch %d, batch %d)",
@@ -219,6 +225,7 @@ def train(cfg: ExperimentConfig) -> Path:
             "precision": precision.state_dict(),
             "scheduler": scheduler.state_dict(),
             "rng": ckpt.rng_state(),
+            "head_sampling_step": head.sampling_step,
             "classes": list(base.classes),
         }
         ckpt.save_checkpoint(run_dir, step, state, keep=cfg.train.keep_checkpoints)

@@ -78,9 +78,14 @@ def test_smoke_run_writes_the_run_directory(image_folder, tmp_path):
     assert all(v.dtype != torch.float16 for v in state.values())
 
 
-@pytest.mark.parametrize("level", ["O0", "O2"])
-def test_resume_continues_the_same_loss_curve(image_folder, tmp_path, level):
-    common = (f"precision.level={level}", "precision.dtype=bf16", "train.checkpoint_every=5")
+@pytest.mark.parametrize("level, sample_rate", [("O0", 1.0), ("O2", 1.0), ("O0", 0.5)])
+def test_resume_continues_the_same_loss_curve(image_folder, tmp_path, level, sample_rate):
+    common = (
+        f"precision.level={level}",
+        "precision.dtype=bf16",
+        "train.checkpoint_every=5",
+        f"head.sample_rate={sample_rate}",
+    )
     straight = train(
         tiny_config(image_folder, tmp_path / "straight", "train.max_steps=12", *common)
     )
