@@ -1,12 +1,14 @@
 """Train a recognition model: `python train.py [--config NAME_OR_PATH] [key=value ...]`.
 
-Runs on one process as is, or on N with `torchrun --nproc_per_node N train.py ...`.
+Runs on one process as is, or on N with `torchrun --nproc_per_node N train.py ...` (and on
+several machines with torchrun's rendezvous options; see the README).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from recognition.config import ConfigError, load_config
@@ -32,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
 
+    from recognition.distributed import is_collective_failure
     from recognition.engine import TrainingError, train
 
     try:
@@ -40,6 +43,24 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("recognition").error("%s", exc)
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:
+        if not is_collective_failure(exc):
+            raise
+        rank = os.environ.get("RANK", "0")
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = (
+            f"rank {rank}: stopping, a collective operation failed: another rank died or did "
+            f"not answer within train.timeout_s={cfg.train.timeout_s:g} s (its own log, "
+            f"train.rank<R>.log or torchrun's output, says why). The last checkpoint in "
+            f"{cfg.run_dir / 'checkpoints'} is intact; train.resume=auto continues from it. "
+            f"[{detail}]"
+        )
+        logging.getLogger("recognition").error("%s", message)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        logging.shutdown()
+        # A process group whose peer is gone cannot be torn down (gloo aborts, NCCL may
+        # block in its destructors): leave at once, with the status torchrun expects.
+        os._exit(1)
     return 0
 
 

@@ -36,12 +36,12 @@ class SyntheticConfig:
 
     enabled: bool = False
     root: str = "data/synthetic"
-    num_identities: int = 400
-    images_per_identity: int = 24
-    num_val_identities: int = 100
+    num_identities: int = 1000
+    images_per_identity: int = 16
+    num_val_identities: int = 200
     val_images_per_identity: int = 10
     num_folds: int = 10
-    pairs_per_fold: int = 60
+    pairs_per_fold: int = 150
     image_size: int = 112
     seed: int = 0
 
@@ -88,6 +88,10 @@ class ModelConfig:
     width: float = 1.0
     """Channel multiplier of the backbone (1.0 = the published architecture)."""
     dropout: float = 0.0
+    sync_bn: bool = False
+    """With several processes, turn every BatchNorm into a SyncBatchNorm: batch statistics
+    over the global batch instead of each rank's. Needs GPUs (torch's SyncBatchNorm does not
+    run on CPU)."""
 
     def __post_init__(self) -> None:
         if self.embedding_size < 1:
@@ -174,8 +178,17 @@ class TrainConfig:
     accumulate_steps: int = 1
     """Micro-batches per optimizer step; the loss is divided by this."""
     resume: bool | str = False
-    """true: the latest checkpoint of the run directory; a path: that checkpoint."""
+    """false: start (refusing to overwrite a run directory holding checkpoints); true: the
+    latest checkpoint of the run directory; auto: the latest if there is one, else start (for
+    torchrun --max-restarts); a path: that checkpoint directory."""
     device: str = "auto"
+    dist_backend: str = "auto"
+    """Process-group backend with several processes: auto (NCCL on GPU, gloo on CPU), nccl
+    or gloo."""
+    timeout_s: float = 1800.0
+    """Seconds a collective waits for the other ranks before it fails: how long a job whose
+    rank hung takes to stop. It must exceed the longest gap between two collectives (a
+    checkpoint save, the first batch of a slow data loader)."""
     log_every: int = 10
     checkpoint_every: int | None = None
     """Optimizer steps between checkpoints; null: at the end of every epoch."""
@@ -203,6 +216,16 @@ class TrainConfig:
             raise ConfigError("train.max_nonfinite_steps: must be at least 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"train.device: {self.device!r} is not auto, cpu or cuda")
+        if self.dist_backend not in ("auto", "nccl", "gloo"):
+            raise ConfigError(
+                f"train.dist_backend: {self.dist_backend!r} is not auto, nccl or gloo"
+            )
+        if self.dist_backend == "nccl" and self.device == "cpu":
+            raise ConfigError("train.dist_backend: nccl needs train.device=cuda (or auto)")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"train.timeout_s: must be positive, got {self.timeout_s}")
+        if isinstance(self.resume, str) and not self.resume:
+            raise ConfigError("train.resume: empty path (use true, false, auto or a path)")
 
 
 @dataclass

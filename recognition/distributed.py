@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -54,23 +55,74 @@ def init_distributed(
 ) -> DistInfo:
     """Read torchrun's environment and join the process group if there is more than one rank.
 
+    Takes the config's device name ("auto", "cpu", "cuda"), the backend (None or "auto": NCCL
+    on GPU, gloo on CPU) and the collective timeout in seconds. Returns this process's
+    DistInfo; on GPU the process is bound to GPU `local_rank` of its node first.
+
     Without torchrun (no WORLD_SIZE in the environment) this returns a world of one and
-    initialises nothing. The backend defaults to NCCL on GPU and gloo on CPU.
+    initialises nothing. A process group that already exists (a test that set one up) is
+    used as it is.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} is outside [0, WORLD_SIZE={world_size}) in the environment")
     torch_device = pick_device(device, local_rank)
     if torch_device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(
+                f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPU(s): "
+                "start at most one process per GPU (torchrun --nproc_per_node)"
+            )
         torch.cuda.set_device(torch_device)
     if world_size > 1 and not dist.is_initialized():
-        backend = backend or ("nccl" if torch_device.type == "cuda" else "gloo")
+        if backend in (None, "auto"):
+            backend = "nccl" if torch_device.type == "cuda" else "gloo"
+        if backend == "nccl" and torch_device.type != "cuda":
+            raise ValueError("train.dist_backend: nccl moves CUDA tensors only; use gloo on CPU")
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             backend=backend,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
+            # Binds the NCCL communicator to this GPU eagerly (no guessing from the rank).
             device_id=torch_device if torch_device.type == "cuda" else None,
+            store=_torchelastic_store(timeout),
+            rank=rank,
+            world_size=world_size,
         )
+    elif dist.is_initialized():
+        world_size, rank = dist.get_world_size(), dist.get_rank()
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=torch_device)
+
+
+def _torchelastic_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """The rendezvous store for a worker that torchrun started, one key space per restart.
+
+    torchrun's agent hosts one TCP store for all its restarts (TORCHELASTIC_USE_AGENT_STORE)
+    and env:// connects to it without a per-restart prefix, so after `--max-restarts` kicks
+    in, the new workers can read the addresses the dead ones published and fail to connect
+    (seen with gloo on this torch; pytorch issue 135712 is the same for NCCL). The prefix
+    `attempt_<TORCHELASTIC_RESTART_COUNT>` gives every restart fresh keys. None (let env://
+    do it) when torchrun does not share its store or did not start this process.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"recognition/attempt_{attempt}/", store)
+
+
+def shutdown() -> None:
+    """Leave the process group, if one exists: the end of a run that went well.
+
+    A run that failed in a collective must not call this: a group whose peer is gone may
+    block or abort while it is torn down.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:
@@ -106,9 +158,104 @@ def all_reduce_sum(value: float | torch.Tensor, group: dist.ProcessGroup | None 
     return float(tensor.item())
 
 
+def all_reduce_max(value: float | torch.Tensor, group: dist.ProcessGroup | None = None) -> float:
+    """Largest value of a scalar over the ranks of `group` (peak memory of the fullest rank)."""
+    return _all_reduce_scalar(value, dist.ReduceOp.MAX, group)
+
+
+def all_reduce_min(value: float | torch.Tensor, group: dist.ProcessGroup | None = None) -> float:
+    """Smallest value of a scalar over the ranks of `group`."""
+    return _all_reduce_scalar(value, dist.ReduceOp.MIN, group)
+
+
+def _all_reduce_scalar(
+    value: float | torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None
+) -> float:
+    tensor = torch.as_tensor(value, dtype=torch.float64).detach().clone()
+    if world_size(group) > 1:
+        tensor = tensor.to(_collective_device(group))
+        dist.all_reduce(tensor, op=op, group=group)
+    return float(tensor.item())
+
+
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     if world_size(group) > 1:
         dist.barrier(group=group)
+
+
+def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None = None) -> object:
+    """`obj` as rank `src` holds it, on every rank (a small picklable object)."""
+    if world_size(group) == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src, group=group, device=_collective_device(group))
+    return holder[0]
+
+
+def global_grad_norm(
+    params: Iterable[torch.Tensor],
+    sharded: Iterable[torch.Tensor] = (),
+    group: dist.ProcessGroup | None = None,
+) -> float:
+    """L2 norm of the gradients of `params` over the whole model, whichever rank holds them.
+
+    `params` are the tensors an optimizer steps; those also in `sharded` hold different rows
+    on every rank (the head's class shard, its O2 master), the others are replicated and
+    already equal on every rank (DDP averaged them). The squared norm of the sharded ones is
+    summed over the ranks of `group`, the replicated ones count once, so every rank gets the
+    same norm: clipping by a local norm would scale each rank's replica differently and the
+    replicas would drift apart. inf/NaN anywhere gives inf/NaN on every rank. Squares are
+    summed in float32 at least (float64 for float64 gradients) so half gradients cannot
+    overflow. Returns 0.0 when no parameter has a gradient.
+    """
+    sharded_ids = {id(t) for t in sharded}
+    local: list[torch.Tensor] = []
+    replicated: list[torch.Tensor] = []
+    for param in params:
+        if param.grad is not None:
+            (local if id(param) in sharded_ids else replicated).append(param.grad)
+    device = (local + replicated)[0].device if local or replicated else torch.device("cpu")
+    local_square = _squared_norm(local, device)
+    if world_size(group) > 1:
+        local_square = local_square.to(_collective_device(group))
+        dist.all_reduce(local_square, op=dist.ReduceOp.SUM, group=group)
+    total = _squared_norm(replicated, device) + local_square.to(device)
+    return float(total.sqrt())
+
+
+def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of every element of `grads`: a float64 scalar on `device`."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = [
+        torch.linalg.vector_norm(g, dtype=g.dtype if g.dtype in _WIDE else torch.float32)
+        for g in grads
+    ]
+    return torch.stack([n.to(device, torch.float64) for n in norms]).square().sum()
+
+
+_WIDE = (torch.float32, torch.float64)
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether `exc` says a collective failed: a peer rank died, hung, or its link broke.
+
+    NCCL and the store raise `torch.distributed.DistError`; gloo raises a plain RuntimeError
+    whose text names the cause, which is all there is to recognise it by.
+    """
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(mark in text for mark in _GLOO_FAILURES)
+
+
+_GLOO_FAILURES = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",
+    "gloo/transport",
+)
 
 
 def _collective_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -48,16 +48,22 @@ def setup_logging(run_dir: Path | None, dist_info: DistInfo) -> None:
 class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl and mirrors it to TensorBoard.
 
-    Does nothing on ranks other than 0, so callers need no rank checks.
+    Does nothing on ranks other than 0, so callers need no rank checks. `start_step` is the
+    step the run starts (or resumes) from: lines of later steps already in metrics.jsonl,
+    written by a run that died after its last checkpoint, are dropped, so that a resumed
+    run (torchrun --max-restarts) leaves every step in the file once.
     """
 
-    def __init__(self, run_dir: Path, dist_info: DistInfo, tensorboard: bool = True):
+    def __init__(
+        self, run_dir: Path, dist_info: DistInfo, tensorboard: bool = True, start_step: int = 0
+    ):
         self.enabled = dist_info.is_main
         self._file = None
         self._tb = None
         if not self.enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        _drop_records_after(run_dir / "metrics.jsonl", start_step)
         # Line-buffered so a crash loses at most the line being written.
         self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
         if tensorboard:
@@ -84,6 +90,26 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Rewrite the JSON-lines file `path` without its records of steps after `step`."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record_step = json.loads(line).get("step", 0)
+        except (json.JSONDecodeError, AttributeError):
+            continue  # a line cut short by a crash
+        if isinstance(record_step, int) and record_step <= step:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
 
 
 def _jsonable(value: Any) -> Any:

@@ -36,11 +36,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
@@ -71,6 +72,10 @@ class Precision:
         device: the device the model runs on; picks the autocast and GradScaler backend.
         init_scale: first fp16 loss scale.
         growth_interval: good steps before the fp16 loss scale doubles.
+        process_group: with several ranks whose optimizers see different gradients (a
+            sharded head), the group over which the fp16 scaler's inf/NaN check is combined
+            (torch's ShardedGradScaler), so every rank skips the same steps and keeps the
+            same loss scale; None for one process.
     """
 
     def __init__(
@@ -81,6 +86,7 @@ class Precision:
         *,
         init_scale: float = 2.0**16,
         growth_interval: int = 2000,
+        process_group: ProcessGroup | None = None,
     ) -> None:
         if level not in LEVELS:
             raise ValueError(f"precision.level: unknown level {level!r} (use one of {LEVELS})")
@@ -106,13 +112,21 @@ class Precision:
         # Loss scaling guards fp16's narrow exponent range. O3 goes without, like apex's O3
         # (loss scale 1.0): it is the unprotected baseline.
         use_scaler = dtype == "fp16" and level in ("O1", "O2")
-        self.scaler: torch.amp.GradScaler | None = (
-            torch.amp.GradScaler(
+        self.scaler: torch.amp.GradScaler | None = None
+        if use_scaler and process_group is not None:
+            # A GradScaler that all-reduces its found-inf flags (it needs no FSDP model).
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(
+                device.type,
+                init_scale=init_scale,
+                growth_interval=growth_interval,
+                process_group=process_group,
+            )
+        elif use_scaler:
+            self.scaler = torch.amp.GradScaler(
                 device.type, init_scale=init_scale, growth_interval=growth_interval
             )
-            if use_scaler
-            else None
-        )
         # Filled by prepare(): every distinct parameter of the prepared modules under a
         # "<module index>.<parameter name>" key, and (O2) the master that stands for it.
         self._model_params: dict[str, nn.Parameter] = {}
@@ -211,14 +225,20 @@ class Precision:
             loss.backward()
 
     def step(
-        self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_grad_norm: float | None = None,
+        grad_norm_fn: Callable[[list[Tensor]], float] | None = None,
     ) -> StepResult:
         """Unscale, clip, and apply the accumulated gradients; skip on inf/NaN.
 
         Under O2 the half gradients are first copied into the fp32 masters, and after the
         update the masters are copied back into the half model. `max_grad_norm` clips the
-        total L2 norm of the unscaled gradients the optimizer sees. Gradients are left in
-        place; call `zero_grad()` next.
+        total L2 norm of the unscaled gradients the optimizer sees. `grad_norm_fn` computes
+        that norm from the optimizer's parameters (their `.grad`); the default is the local
+        norm, and a model whose gradients are sharded over ranks passes one that combines the
+        ranks' parts, so that every rank clips and skips alike. Gradients are left in place;
+        call `zero_grad()` next.
         """
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
@@ -230,7 +250,7 @@ class Precision:
             # inf/NaN; scaler.step() below then skips the update on its own.
             self.scaler.unscale_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        grad_norm = _total_grad_norm(params)
+        grad_norm = _total_grad_norm(params) if grad_norm_fn is None else grad_norm_fn(params)
         stepped = math.isfinite(grad_norm)
         if stepped:
             if max_grad_norm is not None:

@@ -303,6 +303,9 @@ def worker(rank, world_size, rendezvous, out_dir):
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(check.failures))
         if dist.is_initialized():
+            # All ranks leave together: gloo aborts the process ("terminate called without
+            # an active exception") when a peer tears the group down under it.
+            dist.barrier()
             dist.destroy_process_group()
 
 
