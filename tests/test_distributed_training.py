@@ -235,8 +235,11 @@ def _rank_main(
     shard.grad = torch.full((2,), float(rank + 1))
     reduced.append(distributed.global_grad_norm([replicated, shard], [shard]))
     Path(out, f"reduced.{rank}.json").write_text(json.dumps(reduced))
-    dist.barrier()  # leave together: gloo aborts when a peer tears the group down under it
+    dist.barrier()
     dist.destroy_process_group()
+    # Skip the interpreter's teardown, which intermittently aborts inside gloo (see
+    # tests/test_head_distributed.py); the results are already written.
+    os._exit(0)
 
 
 def spawn(world_size: int, jobs: list[list[str]], out: Path, state_check: bool = False) -> None:

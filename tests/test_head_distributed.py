@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import traceback
 from pathlib import Path
 
@@ -303,10 +304,12 @@ def worker(rank, world_size, rendezvous, out_dir):
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(check.failures))
         if dist.is_initialized():
-            # All ranks leave together: gloo aborts the process ("terminate called without
-            # an active exception") when a peer tears the group down under it.
             dist.barrier()
             dist.destroy_process_group()
+        # Skip the interpreter's teardown: with torch 2.14 + gloo it intermittently aborts
+        # ("terminate called without an active exception") while destroying gloo's threads,
+        # after every result has been written. The results files carry the verdict.
+        os._exit(0)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
