@@ -603,17 +603,9 @@ def _float_copy(module: nn.Module) -> nn.Module:
 
 
 def _synthetic_spec(cfg: ExperimentConfig) -> SyntheticSpec:
+    """The generator's spec from `data.synthetic` (the same fields, less enabled / root)."""
     s = cfg.data.synthetic
-    return SyntheticSpec(
-        num_identities=s.num_identities,
-        images_per_identity=s.images_per_identity,
-        num_val_identities=s.num_val_identities,
-        val_images_per_identity=s.val_images_per_identity,
-        num_folds=s.num_folds,
-        pairs_per_fold=s.pairs_per_fold,
-        image_size=s.image_size,
-        seed=s.seed,
-    )
+    return SyntheticSpec(**{f.name: getattr(s, f.name) for f in dataclasses.fields(SyntheticSpec)})
 
 
 def _resume_path(cfg: ExperimentConfig, run_dir: Path) -> Path | None:

@@ -43,6 +43,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from recognition.data.pairs import load_pairs, write_pairs
+from recognition.evaluation.verification import best_threshold
+
 logger = logging.getLogger(__name__)
 
 TRAIN_DIR = "train"
@@ -686,16 +689,7 @@ def write_lfw_pairs(
     lines `name<TAB>n1<TAB>n2` followed by its different-identity lines
     `name1<TAB>n1<TAB>name2<TAB>n2`.
     """
-    pairs_per_fold = len(folds[0][0])
-    lines = [f"{len(folds)}\t{pairs_per_fold}"]
-    for same, different in folds:
-        if len(same) != pairs_per_fold or len(different) != pairs_per_fold:
-            raise ValueError(
-                f"every fold needs {pairs_per_fold} same and different pairs to write {path}"
-            )
-        lines.extend(f"{name}\t{n1}\t{n2}" for name, n1, n2 in same)
-        lines.extend(f"{a}\t{n1}\t{b}\t{n2}" for a, n1, b, n2 in different)
-    path.write_text("\n".join(lines) + "\n")
+    write_pairs(path, folds)
 
 
 def _read_marker(root: Path) -> dict | None:
@@ -804,40 +798,6 @@ def _load_pixel_vector(path: Path) -> np.ndarray:
         return np.asarray(image.convert("RGB"), dtype=np.float64).ravel()
 
 
-def _read_pairs(path: Path) -> tuple[list[tuple[str, str, bool]], int, int]:
-    """The pairs of a View-2 `pairs.txt` written by this module, the number of folds and the
-    pairs per fold (of each kind).
-
-    Pairs come in file order as (relative path 1, relative path 2, same), with the `.jpg`
-    extension this module writes.
-    """
-    lines = path.read_text().splitlines()
-    try:
-        num_folds, pairs_per_fold = (int(v) for v in lines[0].split())
-    except (IndexError, ValueError) as error:
-        raise ValueError(f"{path}:1: expected 'num_folds<TAB>pairs_per_fold'") from error
-    pairs = []
-    for line_number, line in enumerate(lines[1:], start=2):
-        fields = line.split()
-        try:
-            if len(fields) == 3:
-                name, n1, n2 = fields
-                left, right = f"{name}/{name}_{int(n1):04d}", f"{name}/{name}_{int(n2):04d}"
-            elif len(fields) == 4:
-                name1, n1, name2, n2 = fields
-                left, right = f"{name1}/{name1}_{int(n1):04d}", f"{name2}/{name2}_{int(n2):04d}"
-            else:
-                raise ValueError(f"expected 3 or 4 fields, got {len(fields)}")
-        except ValueError as error:
-            raise ValueError(f"{path}:{line_number}: {error}") from error
-        pairs.append((f"{left}.jpg", f"{right}.jpg", len(fields) == 3))
-    if len(pairs) != 2 * num_folds * pairs_per_fold:
-        raise ValueError(
-            f"{path}: header announces {num_folds} x 2 x {pairs_per_fold} pairs, found {len(pairs)}"
-        )
-    return pairs, num_folds, pairs_per_fold
-
-
 def kfold_accuracy(scores: np.ndarray, same: np.ndarray, folds: np.ndarray) -> float:
     """Mean k-fold verification accuracy of similarity `scores` (higher means same).
 
@@ -848,23 +808,7 @@ def kfold_accuracy(scores: np.ndarray, same: np.ndarray, folds: np.ndarray) -> f
     accuracies = []
     for fold in np.unique(folds):
         test = folds == fold
-        order = np.argsort(scores[~test], kind="stable")
-        ordered, ordered_same = scores[~test][order], same[~test][order]
-        # Threshold k sits below ordered[k] (k = 0 .. n): pairs from k on are called "same".
-        # Counting over sorted scores makes this O(n log n) rather than trying every cut.
-        same_below = np.concatenate([[0], np.cumsum(ordered_same)])  # (n + 1,)
-        different_below = np.arange(len(ordered) + 1) - same_below
-        num_correct = (same_below[-1] - same_below) + different_below
-        # A cut between two equal scores cannot be made: skip those positions.
-        possible = np.ones(len(ordered) + 1, dtype=bool)
-        possible[1:-1] = ordered[1:] > ordered[:-1]
-        k = int(np.argmax(np.where(possible, num_correct, -1)))
-        if k == 0:
-            threshold = ordered[0] - 1.0
-        elif k == len(ordered):
-            threshold = ordered[-1] + 1.0
-        else:
-            threshold = (ordered[k - 1] + ordered[k]) / 2.0
+        threshold, _ = best_threshold(scores[~test], same[~test])
         accuracies.append(float(((scores[test] > threshold) == same[test]).mean()))
     return float(np.mean(accuracies))
 
@@ -877,7 +821,7 @@ def pixel_cosine_baseline(root: Path) -> float:
     the bar that a learnt embedding must clear by far on the synthetic data set.
     """
     val = Path(root) / VAL_DIR
-    pairs, num_folds, pairs_per_fold = _read_pairs(val / PAIRS_FILE)
+    pairs = load_pairs(val / PAIRS_FILE)
     cache: dict[str, np.ndarray] = {}
 
     def vector(relative: str) -> np.ndarray:
@@ -889,10 +833,10 @@ def pixel_cosine_baseline(root: Path) -> float:
 
     # Elementwise products rather than `@`: a BLAS dot per pair spins up BLAS threads, which
     # is ten times slower on a busy machine for vectors this short.
-    scores = np.array([float(np.sum(vector(a) * vector(b))) for a, b, _ in pairs])
-    same = np.array([s for _, _, s in pairs])
-    folds = np.arange(len(pairs)) // (2 * pairs_per_fold)
-    return kfold_accuracy(scores, same, folds)
+    scores = np.array(
+        [float(np.sum(vector(a) * vector(b))) for a, b in zip(pairs.left, pairs.right, strict=True)]
+    )
+    return kfold_accuracy(scores, pairs.issame, pairs.fold)
 
 
 def main(argv: list[str] | None = None) -> None:
