@@ -19,30 +19,38 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from recognition.data.insightface_bin import center_crop
 from recognition.data.pairs import Pairs
 from recognition.data.transforms import load_rgb, to_input_tensor
 from recognition.evaluation.verification import balanced_folds, evaluate_verification
 
 
-def load_image(path: str | os.PathLike, size: int | tuple[int, int]) -> torch.Tensor:
+def load_image(
+    path: str | os.PathLike, size: int | tuple[int, int], crop: int | None = None
+) -> torch.Tensor:
     """Read an image file as a (3, H, W) float32 tensor in [-1, 1].
 
     Exactly the training input transform (`recognition.data.transforms`): any PIL mode
-    converted to RGB, resized to ``size`` = (H, W) (or a square side), x / 127.5 - 1.
-    Raises FileNotFoundError for a missing file and ValueError naming the file when it
-    cannot be decoded (a corrupt or truncated JPEG).
+    converted to RGB, resized to ``size`` = (H, W) (or a square side), x / 127.5 - 1. With
+    ``crop``, the centred ``crop`` x ``crop`` square of the original is taken first (LFW's
+    250x250 photos, whose face fills the centre). Raises FileNotFoundError for a missing file
+    and ValueError naming the file when it cannot be decoded (a corrupt or truncated JPEG).
     """
     height, width = (size, size) if isinstance(size, int) else size
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"image not found: {path}")
-    return to_input_tensor(load_rgb(path), (height, width))
+    image = load_rgb(path)
+    if crop is not None:
+        image = center_crop(image, crop)
+    return to_input_tensor(image, (height, width))
 
 
 class PathDataset(Dataset):
     """Images named by a list of paths, each loaded by :func:`load_image`.
 
-    ``paths`` may be relative to ``root``. Item i is the (3, H, W) tensor of ``paths[i]``.
+    ``paths`` may be relative to ``root``. Item i is the (3, H, W) tensor of ``paths[i]``,
+    centre-cropped to ``crop`` pixels first when given.
     """
 
     def __init__(
@@ -50,17 +58,20 @@ class PathDataset(Dataset):
         paths: Sequence[str | os.PathLike],
         size: int | tuple[int, int] = (112, 112),
         root: str | os.PathLike | None = None,
+        crop: int | None = None,
     ) -> None:
         self.paths = [str(p) for p in paths]
         self.size = size
         self.root = Path(root) if root is not None else None
+        self.crop = crop
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, index: int) -> torch.Tensor:
         path = self.paths[index]
-        return load_image(self.root / path if self.root is not None else path, self.size)
+        full = self.root / path if self.root is not None else path
+        return load_image(full, self.size, self.crop)
 
 
 def extract_embeddings(
@@ -72,8 +83,13 @@ def extract_embeddings(
     device: torch.device | str | None = None,
     num_workers: int = 0,
     progress: bool = True,
-) -> np.ndarray:
+    return_norms: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Embeddings (N, D) float32, L2-normalised, of every image, in dataset order.
+
+    With ``return_norms`` also returns the L2 norm (N,) of the model's raw output for each
+    (unflipped) image; their mean is the "XNorm" that insightface reports, a sign of how
+    confident a margin-trained model is.
 
     ``images`` is a Dataset (or a DataLoader over one, whose own batch size and workers are
     then used) of (3, H, W) tensors already normalised like training inputs, or of tuples
@@ -104,6 +120,7 @@ def extract_embeddings(
     was_training = model.training
     model.eval()
     chunks: list[torch.Tensor] = []
+    norm_chunks: list[torch.Tensor] = []
     try:
         with torch.no_grad():
             for batch in tqdm(loader, desc="embeddings", unit="batch", disable=not progress):
@@ -128,6 +145,7 @@ def extract_embeddings(
                         f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out)}"
                     )
                 out = out.float()
+                norm_chunks.append(out[:num_images].norm(dim=1).cpu())
                 if flip:
                     out = out[:num_images] + out[num_images:]  # (B, D)
                 chunks.append(F.normalize(out, dim=1).cpu())
@@ -135,7 +153,10 @@ def extract_embeddings(
         model.train(was_training)
     if not chunks:
         raise ValueError("images: the dataset is empty")
-    return torch.cat(chunks).numpy().astype(np.float32, copy=False)
+    embeddings = torch.cat(chunks).numpy().astype(np.float32, copy=False)
+    if return_norms:
+        return embeddings, torch.cat(norm_chunks).numpy().astype(np.float32, copy=False)
+    return embeddings
 
 
 def save_embeddings(path: str | os.PathLike, embeddings: np.ndarray, paths: Sequence[str]) -> None:

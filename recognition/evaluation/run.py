@@ -14,6 +14,7 @@ from torch import nn
 
 from recognition.checkpoint import load_backbone_file
 from recognition.config import EvalTarget
+from recognition.data.insightface_bin import BinDataset, load_bin
 from recognition.data.pairs import Pairs, load_pairs, resolve_images
 from recognition.evaluation.embeddings import (
     PathDataset,
@@ -23,7 +24,11 @@ from recognition.evaluation.embeddings import (
     verify_pairs,
 )
 from recognition.evaluation.plots import plot_roc
-from recognition.evaluation.verification import format_table, to_json_dict
+from recognition.evaluation.verification import (
+    evaluate_verification,
+    format_table,
+    to_json_dict,
+)
 from recognition.models import build_backbone
 
 log = logging.getLogger(__name__)
@@ -50,11 +55,14 @@ def load_backbone(path: str | os.PathLike, device: torch.device) -> tuple[nn.Mod
 
 
 def target_name(target: EvalTarget) -> str:
-    return target.name or Path(target.pairs).resolve().parent.name
+    """The target's label in tables and metric keys (see :attr:`EvalTarget.label`)."""
+    return target.label
 
 
 def load_target(target: EvalTarget) -> tuple[Pairs, Path]:
     """Read a target's pairs and check that every image exists; returns (pairs, image root)."""
+    if target.pairs is None:
+        raise ValueError(f"target {target.label}: not a pairs target")
     pairs = load_pairs(target.pairs)
     root = Path(target.images) if target.images else Path(target.pairs).parent
     return resolve_images(pairs, root), root
@@ -71,10 +79,11 @@ def embed_pairs(
     device: torch.device,
     num_workers: int = 0,
     progress: bool = True,
+    crop: int | None = None,
 ) -> tuple[np.ndarray, list[str]]:
     """Embeddings (N, D) of every image the pairs name, and those paths (relative to root)."""
     paths = pairs.images()
-    dataset = PathDataset(paths, size=image_size, root=root)
+    dataset = PathDataset(paths, size=image_size, root=root, crop=crop)
     embeddings = extract_embeddings(
         backbone,
         dataset,
@@ -85,6 +94,64 @@ def embed_pairs(
         progress=progress,
     )
     return embeddings, paths
+
+
+def verify_consecutive(
+    embeddings: np.ndarray, issame: np.ndarray, num_folds: int = 10
+) -> dict[str, object]:
+    """Verification metrics of pairs (2i, 2i+1) of ``embeddings`` (2N, D), as a .bin orders them.
+
+    The N pairs are split in order into ``num_folds`` contiguous folds (insightface's
+    unshuffled 10-fold protocol). Returns :func:`evaluate_verification`'s dict.
+    """
+    unit = np.asarray(embeddings, dtype=np.float64)
+    unit = unit / np.maximum(np.linalg.norm(unit, axis=1, keepdims=True), 1e-12)
+    scores = np.einsum("pd,pd->p", unit[0::2], unit[1::2])  # (N,)
+    return evaluate_verification(scores, issame, num_folds=num_folds)
+
+
+def evaluate_target(
+    backbone: nn.Module,
+    target: EvalTarget,
+    image_size: int,
+    *,
+    batch_size: int = 128,
+    flip: bool = True,
+    device: torch.device | None = None,
+    progress: bool = True,
+    num_workers: int = 0,
+    xnorm: bool = False,
+) -> tuple[dict, np.ndarray, list[str]]:
+    """Verification of `backbone` on one target (a pairs file or a .bin).
+
+    Returns (metrics, embeddings (N, D), their paths): for pairs the image paths relative to
+    the image root, for a .bin ``"<file name>/<index>"``. With ``xnorm`` the metrics hold
+    ``xnorm``, the mean norm of the raw embeddings of the (unflipped) images.
+    """
+    device = device or torch.device("cpu")
+    common = {
+        "batch_size": batch_size,
+        "flip": flip,
+        "device": device,
+        "num_workers": num_workers,
+        "progress": progress,
+        "return_norms": True,
+    }
+    if target.bin is not None:
+        bin_pairs = load_bin(target.bin)
+        dataset = BinDataset(bin_pairs, size=image_size, crop=target.crop)
+        embeddings, norms = extract_embeddings(backbone, dataset, **common)
+        paths = [f"{Path(target.bin).name}/{i}" for i in range(len(dataset))]
+        results = verify_consecutive(embeddings, bin_pairs.issame)
+    else:
+        pairs, root = load_target(target)
+        paths = pairs.images()
+        dataset = PathDataset(paths, size=image_size, root=root, crop=target.crop)
+        embeddings, norms = extract_embeddings(backbone, dataset, **common)
+        results = verify_pairs(embeddings, index_paths(paths), pairs)
+    if xnorm:
+        results["xnorm"] = float(np.mean(norms, dtype=np.float64))
+    return results, embeddings, paths
 
 
 def evaluate_targets(
@@ -98,28 +165,33 @@ def evaluate_targets(
     progress: bool = True,
     num_workers: int = 0,
     export_path: Path | None = None,
+    xnorm: bool = False,
 ) -> dict[str, dict]:
-    """Verification results {target name: metrics} of `backbone` on each target."""
-    device = device or torch.device("cpu")
+    """Verification results {target name: metrics} of `backbone` on each target.
+
+    With ``export_path`` the embeddings are written there (one target), or to
+    ``<stem>.<target name>.npz`` next to it for each of several targets.
+    """
     results: dict[str, dict] = {}
     for target in targets:
         name = target_name(target)
-        pairs, root = load_target(target)
-        embeddings, paths = embed_pairs(
+        results[name], embeddings, paths = evaluate_target(
             backbone,
-            pairs,
-            root,
+            target,
             image_size,
             batch_size=batch_size,
             flip=flip,
             device=device,
-            num_workers=num_workers,
             progress=progress,
+            num_workers=num_workers,
+            xnorm=xnorm,
         )
         if export_path is not None:
-            save_embeddings(export_path, embeddings, paths)
-            log.info("wrote %d embeddings to %s", len(paths), export_path)
-        results[name] = verify_pairs(embeddings, index_paths(paths), pairs)
+            out = export_path
+            if len(targets) > 1:
+                out = export_path.with_name(f"{export_path.stem}.{name}{export_path.suffix}")
+            save_embeddings(out, embeddings, paths)
+            log.info("wrote %d embeddings to %s", len(paths), out)
     return results
 
 
@@ -139,11 +211,17 @@ def report(
         else:
             payload = {name: to_json_dict(r) for name, r in results.items()}
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = json_path.with_name(json_path.name + ".tmp")
-        tmp.write_text(json.dumps(payload, indent=2) + "\n")
-        tmp.replace(json_path)
+        write_json(json_path, payload)
         log.info("wrote %s", json_path)
     if roc_path is not None:
         plot_roc(results, roc_path)
         log.info("wrote %s", roc_path)
     return table
+
+
+def write_json(path: Path, payload: object) -> None:
+    """Write ``payload`` as indented JSON, atomically (a temporary file, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(path)
