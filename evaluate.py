@@ -1,11 +1,17 @@
-"""Verification on LFW-style pairs.
+"""Verification on LFW-style pairs or insightface .bin files, re-id ranking, embedding export.
 
   python evaluate.py --checkpoint CKPT --pairs PAIRS [--images ROOT] [--json OUT.json]
+  python evaluate.py --checkpoint CKPT --bin lfw.bin [--bin cfp_fp.bin ...]
+  python evaluate.py --checkpoint CKPT --reid MARKET_ROOT     # query/ vs bounding_box_test/
+  python evaluate.py --checkpoint CKPT --images FOLDER --export-embeddings EMB.npz
   python evaluate.py --embeddings EMB.npz --pairs PAIRS [--json OUT.json]
+  python evaluate.py --embeddings EMB.npz --reid   # paths query/..., bounding_box_test/...
   python evaluate.py                      # the last run of the default config
 
 CKPT is a run's backbone.pt or any of its training checkpoints. `--roc roc.png` draws the
-ROC; `--export-embeddings EMB.npz` writes the embeddings of every image the pairs name.
+ROC; `--export-embeddings EMB.npz` writes the embeddings of every image evaluated (with
+several targets, EMB.<target>.npz each). Several targets give one table; the JSON is then
+keyed by target name (flat for a single target).
 """
 
 from __future__ import annotations
@@ -29,7 +35,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--images",
         type=Path,
-        help="folder the pairs' image names resolve in (default: the pairs' folder)",
+        help="folder the pairs' image names resolve in (default: the pairs' folder); "
+        "without --pairs, with --export-embeddings: embed every image under it",
+    )
+    parser.add_argument(
+        "--bin",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE.bin",
+        help="insightface verification set (lfw.bin, cfp_fp.bin, ...); may be repeated",
+    )
+    parser.add_argument(
+        "--reid",
+        type=Path,
+        nargs="?",
+        const=Path("."),
+        metavar="ROOT",
+        help="re-id ranking (CMC, mAP) on a Market-1501 layout: ROOT/query and "
+        "ROOT/bounding_box_test; with --embeddings no ROOT is needed",
     )
     parser.add_argument(
         "--config",
@@ -43,9 +67,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--export-embeddings",
         type=Path,
         metavar="EMB.npz",
-        help="write the embeddings of every image the pairs name",
+        help="write the embeddings (and image paths) of every image evaluated",
     )
     parser.add_argument("--image-size", type=int, help="input size (default: the checkpoint's)")
+    parser.add_argument(
+        "--crop",
+        type=int,
+        metavar="PIXELS",
+        help="centre square cut from each original image before resizing (e.g. 150 for "
+        "LFW's 250x250 photos)",
+    )
+    parser.add_argument(
+        "--xnorm", action="store_true", help="also report the mean norm of the raw embeddings"
+    )
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument(
         "--no-flip", action="store_true", help="do not add the embedding of the mirrored image"
@@ -59,23 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from recognition.distributed import pick_device
-    from recognition.evaluation.embeddings import index_paths, load_embeddings, verify_pairs
-    from recognition.evaluation.run import evaluate_targets, load_backbone, report, target_name
+    from recognition.evaluation import run
 
     try:
         if args.embeddings is not None:
-            # No model: score the pairs with embeddings someone already computed.
-            if args.pairs is None:
-                raise ValueError("--embeddings needs --pairs")
-            from recognition.data.pairs import load_pairs
-
-            embeddings, paths = load_embeddings(args.embeddings)
-            target = EvalTarget(pairs=str(args.pairs))
-            results = {
-                target_name(target): verify_pairs(
-                    embeddings, index_paths(paths), load_pairs(args.pairs)
-                )
-            }
+            results, is_reid = _from_embeddings(args, run), args.reid is not None
         else:
             checkpoint, targets = args.checkpoint, None
             if checkpoint is None:
@@ -88,31 +110,83 @@ def main(argv: list[str] | None = None) -> int:
                         f"--config {args.config}` first, or pass --checkpoint"
                     )
                 targets = cfg.eval.targets
-            if args.pairs is not None:
-                targets = [
-                    EvalTarget(
-                        pairs=str(args.pairs), images=str(args.images) if args.images else None
-                    )
-                ]
-            if not targets:
-                raise ValueError("nothing to evaluate: pass --pairs (and --images)")
+            targets = _targets(args) or targets
             device = pick_device(args.device)
-            backbone, image_size = load_backbone(checkpoint, device)
-            results = evaluate_targets(
-                backbone,
-                targets,
-                args.image_size or image_size,
-                batch_size=args.batch_size,
-                flip=not args.no_flip,
-                device=device,
-                num_workers=args.workers,
-                export_path=args.export_embeddings,
-            )
-        report(results, json_path=args.json, roc_path=args.roc, flat_json=True)
+            backbone, image_size = run.load_backbone(checkpoint, device)
+            common = {
+                "batch_size": args.batch_size,
+                "flip": not args.no_flip,
+                "device": device,
+                "num_workers": args.workers,
+            }
+            image_size = args.image_size or image_size
+            is_reid = args.reid is not None
+            if is_reid:
+                results = {
+                    args.reid.resolve().name: run.evaluate_reid(
+                        backbone,
+                        args.reid,
+                        image_size,
+                        export_path=args.export_embeddings,
+                        **common,
+                    )
+                }
+            elif not targets and args.images is not None and args.export_embeddings:
+                # An image folder and nothing to verify: embeddings only.
+                run.export_folder(
+                    backbone,
+                    args.images,
+                    args.export_embeddings,
+                    image_size,
+                    crop=args.crop,
+                    **common,
+                )
+                return 0
+            else:
+                if not targets:
+                    raise ValueError(
+                        "nothing to evaluate: pass --pairs (and --images), --bin or --reid"
+                    )
+                results = run.evaluate_targets(
+                    backbone,
+                    targets,
+                    image_size,
+                    export_path=args.export_embeddings,
+                    xnorm=args.xnorm,
+                    **common,
+                )
+        if is_reid:
+            run.report_reid(results, json_path=args.json)
+        else:
+            run.report(results, json_path=args.json, roc_path=args.roc, flat_json=True)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _targets(args: argparse.Namespace) -> list[EvalTarget]:
+    """The verification targets named on the command line, in order: --pairs, then --bin."""
+    targets = []
+    if args.pairs is not None:
+        images = str(args.images) if args.images else None
+        targets.append(EvalTarget(pairs=str(args.pairs), images=images, crop=args.crop))
+    targets += [EvalTarget(bin=str(path), crop=args.crop) for path in args.bin]
+    return targets
+
+
+def _from_embeddings(args: argparse.Namespace, run) -> dict[str, dict]:
+    """Results computed from an embeddings file alone (pairs verification or re-id)."""
+    from recognition.data.pairs import load_pairs
+    from recognition.evaluation.embeddings import index_paths, load_embeddings, verify_pairs
+
+    embeddings, paths = load_embeddings(args.embeddings)
+    if args.reid is not None:
+        return {args.embeddings.stem: run.reid_from_embeddings(embeddings, paths, args.embeddings)}
+    if args.pairs is None:
+        raise ValueError("--embeddings needs --pairs (or --reid)")
+    name = EvalTarget(pairs=str(args.pairs)).label
+    return {name: verify_pairs(embeddings, index_paths(paths), load_pairs(args.pairs))}
 
 
 if __name__ == "__main__":

@@ -238,12 +238,14 @@ def format_table(results: Mapping[str, Mapping], far_keys: Sequence[str] | None 
     """A console table with one row per target (e.g. a dataset or a checkpoint).
 
     Takes {name: evaluate_verification result}. Columns: pairs, accuracy ± std (%), AUC,
-    EER (%) and TAR (%) at each FAR in ``far_keys`` (default: every key the results hold,
-    in order); "-" where a rate could not be measured.
+    EER (%), XNorm when any result holds ``xnorm``, and TAR (%) at each FAR in ``far_keys``
+    (default: every key the results hold, in order); "-" where a value is missing or could
+    not be measured.
     """
     if far_keys is None:
         far_keys = list(dict.fromkeys(k for r in results.values() for k in r.get("tar_at_far", {})))
-    header = ["target", "pairs", "accuracy %", "AUC", "EER %"]
+    show_xnorm = any("xnorm" in r for r in results.values())
+    header = ["target", "pairs", "accuracy %", "AUC", "EER %"] + ["XNorm"] * show_xnorm
     header += [f"TAR%@{k}" for k in far_keys]
     rows = [header]
     for name, r in results.items():
@@ -255,6 +257,8 @@ def format_table(results: Mapping[str, Mapping], far_keys: Sequence[str] | None 
             f"{r['auc']:.4f}",
             f"{100 * r['eer']:.2f}",
         ]
+        if show_xnorm:
+            row.append(f"{r['xnorm']:.2f}" if r.get("xnorm") is not None else "-")
         row += ["-" if tars.get(k) is None else f"{100 * tars[k]:.2f}" for k in far_keys]
         rows.append(row)
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
