@@ -42,6 +42,7 @@ from recognition.data.image_folder import ImageFolderDataset
 from recognition.data.sampler import AugmentedView, ResumableSampler
 from recognition.data.synthetic import SyntheticSpec, ensure_synthetic_dataset
 from recognition.distributed import DistInfo
+from recognition.evaluation.run import PeriodicEvaluation
 from recognition.heads import ShardedMarginSoftmax, build_margin
 from recognition.heads.margin_softmax import WEIGHT_INIT_STD
 from recognition.logging import MetricsWriter, setup_logging
@@ -342,6 +343,7 @@ def train(cfg: ExperimentConfig) -> Path:
 
     # ------------------------------------------------------------------ the loop
     metrics = MetricsWriter(run_dir, dist_info, start_step=step)
+    evaluator = PeriodicEvaluation(cfg, dist_info, metrics)
     window = _Window()
     nonfinite_in_a_row = 0
     samples_per_step = cfg.train.batch_size * cfg.train.accumulate_steps
@@ -416,6 +418,9 @@ def train(cfg: ExperimentConfig) -> Path:
                         values["lr"],
                         values["samples_per_sec"],
                     )
+                if evaluator.due(step):
+                    # Collective: rank 0 evaluates (eval.targets), the others wait for it.
+                    evaluator.run(step, epoch, backbone)
                 end_of_epoch = batches_done >= steps_per_epoch * cfg.train.accumulate_steps
                 every = cfg.train.checkpoint_every
                 if (every and step % every == 0) or step == last_step:
@@ -446,7 +451,7 @@ def train(cfg: ExperimentConfig) -> Path:
             results = evaluate_targets(
                 eval_backbone,
                 cfg.eval.targets,
-                cfg.data.image_size,
+                cfg.eval.image_size or cfg.data.image_size,
                 batch_size=cfg.eval.batch_size,
                 flip=cfg.eval.flip,
                 device=device,

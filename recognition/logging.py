@@ -71,7 +71,8 @@ class MetricsWriter:
 
             self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
 
-    def log(self, step: int, values: dict[str, Any], prefix: str = "train") -> None:
+    def log(self, step: int, values: dict[str, Any], prefix: str | None = "train") -> None:
+        """Append {"step": step, **values}; TensorBoard tags are `prefix/key` (`key` if None)."""
         if not self.enabled:
             return
         record = {"step": step, **{k: _jsonable(v) for k, v in values.items()}}
@@ -81,7 +82,8 @@ class MetricsWriter:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     if key not in ("step", "epoch") and math.isfinite(value):
-                        self._tb.add_scalar(f"{prefix}/{key}", value, step)
+                        tag = key if prefix is None else f"{prefix}/{key}"
+                        self._tb.add_scalar(tag, value, step)
 
     def close(self) -> None:
         if self._file is not None:

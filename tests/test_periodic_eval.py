@@ -1,0 +1,172 @@
+"""Evaluation during training: eval records at the right steps, the best backbone kept."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from recognition import checkpoint as ckpt
+from recognition.config import ConfigError, config_from_dict, load_config
+from recognition.engine import train
+from recognition.evaluation.run import evaluate_targets, load_backbone
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[Path, Path]:
+    """A training folder (12 ids x 6 images) and LFW-layout pairs over 6 other identities."""
+    root = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(0)
+
+    def image(c: int, n: int) -> Image.Image:
+        pixels = rng.integers(0, 60, size=(32, 32, 3), dtype=np.uint8)
+        y, x = 4 + (c % 4) * 7, 4 + (c // 4 % 3) * 9
+        pixels[y : y + 6, x : x + 6] = 200 + n
+        return Image.fromarray(pixels)
+
+    for c in range(12):
+        (root / "train" / f"id{c:02d}").mkdir(parents=True)
+        for n in range(6):
+            image(c, n).save(root / "train" / f"id{c:02d}" / f"{n}.jpg", quality=95)
+    val = root / "val"
+    for c in range(6):
+        (val / f"v{c}").mkdir(parents=True)
+        for n in range(1, 4):
+            image(c, n).save(val / f"v{c}" / f"v{c}_{n:04d}.jpg", quality=95)
+    lines = ["2\t6"]
+    for fold in range(2):
+        lines += [f"v{c}\t1\t{2 + fold}" for c in range(6)]
+        lines += [f"v{c}\t{1 + fold}\tv{(c + 1 + fold) % 6}\t3" for c in range(6)]
+    (val / "pairs.txt").write_text("\n".join(lines) + "\n")
+    return root / "train", val / "pairs.txt"
+
+
+def config(train_root: Path, out: Path, *extra: str):
+    return load_config(
+        "default",
+        [
+            f"output_dir={out}",
+            f"data.root={train_root}",
+            "data.synthetic.enabled=false",
+            "data.image_size=32",
+            "data.num_workers=0",
+            "model.width=0.125",
+            "model.embedding_size=16",
+            "train.batch_size=8",
+            "train.epochs=2",
+            "train.max_steps=6",
+            "train.log_every=1",
+            "train.progress=false",
+            "eval.targets=[]",
+            "eval.at_end=false",
+            *extra,
+        ],
+    )
+
+
+def test_periodic_eval_logs_and_keeps_the_best(data, tmp_path):
+    train_root, pairs = data
+    evaluated = config(
+        train_root,
+        tmp_path / "eval",
+        f"eval.targets=[{{name: val, pairs: {pairs}}}]",
+        "eval.every_steps=2",
+        # XNorm moves every step (the AUC of this easy set is 1.0 throughout).
+        "eval.best_metric=val/xnorm",
+        "train.checkpoint_every=1",
+        "train.keep_checkpoints=10",
+    )
+    run_dir = train(evaluated)
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r for r in records if "eval/val/accuracy" in r}
+    assert sorted(evals) == [2, 4, 6]
+    for r in evals.values():
+        assert {"eval/val/auc", "eval/val/eer", "eval/val/xnorm", "eval/val/tar@far=1e-1"} <= set(r)
+        assert "eval/val/tar@far=1e-2" not in r  # 12 impostors cannot measure FAR 1e-2
+    # Training records are untouched: every step once, with its loss.
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 7))
+
+    norms = [evals[s]["eval/val/xnorm"] for s in (2, 4, 6)]
+    assert len(set(norms)) == 3
+    best = json.loads((run_dir / "best.json").read_text())
+    assert best["metric"] == "val/xnorm"
+    assert best["step"] == (2, 4, 6)[int(np.argmax(norms))]  # the first of equal maxima
+    assert best["value"] == pytest.approx(max(norms), abs=1e-12)
+
+    # best_backbone.pt holds exactly the weights of that step's checkpoint ...
+    _, _, best_state = ckpt.load_backbone_file(run_dir / "best_backbone.pt")
+    _, _, step_state = ckpt.load_backbone_file(ckpt.checkpoint_path(run_dir, best["step"]))
+    assert best_state.keys() == step_state.keys()
+    for key in best_state:
+        torch.testing.assert_close(best_state[key], step_state[key], rtol=0, atol=0)
+    # ... and evaluating it again gives the recorded value.
+    model, size = load_backbone(run_dir / "best_backbone.pt", torch.device("cpu"))
+    again = evaluate_targets(model, evaluated.eval.targets, size, progress=False, xnorm=True)
+    assert again["val"]["xnorm"] == pytest.approx(best["value"], abs=1e-12)
+
+    # Evaluating does not change training: the same losses as a run without it.
+    plain = train(config(train_root, tmp_path / "plain"))
+    plain_losses = [
+        json.loads(x)["loss"] for x in (plain / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["loss"] for r in records if "loss" in r] == plain_losses
+
+
+def test_best_metric_is_validated():
+    targets = [{"name": "lfw", "pairs": "lfw/pairs.txt"}, {"bin": "x/agedb_30.bin"}]
+    ok = config_from_dict(
+        {"eval": {"targets": targets, "every_steps": 5, "best_metric": "agedb_30/tar@far=1e-4"}}
+    )
+    assert ok.eval.targets[1].label == "agedb_30"
+    for best, match in [
+        ("cfp/accuracy", "names target 'cfp'"),
+        ("lfw/acc", "unknown metric 'acc'"),
+        ("lfw/tar@far=2", "unknown metric"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            config_from_dict({"eval": {"targets": targets, "every_steps": 5, "best_metric": best}})
+    with pytest.raises(ConfigError, match="needs eval.every_steps"):
+        config_from_dict({"eval": {"targets": targets, "best_metric": "lfw/eer"}})
+    with pytest.raises(ConfigError, match=r"eval\.targets\[1\]\.pairs"):
+        config_from_dict({"eval": {"targets": [targets[0], {"pairs": "a", "bin": "b"}]}})
+    with pytest.raises(ConfigError, match="two targets are called 'lfw'"):
+        config_from_dict({"eval": {"targets": [targets[0], targets[0]]}})
+
+
+@pytest.mark.parametrize(
+    "metric, values, best_step",
+    [("accuracy", [0.5, 0.7, 0.6, 0.7], 2), ("eer", [0.3, 0.1, 0.2, 0.1], 2)],
+)
+def test_only_an_improvement_replaces_the_best(tmp_path, metric, values, best_step):
+    from recognition.distributed import DistInfo
+    from recognition.evaluation.run import PeriodicEvaluation
+
+    cfg = config_from_dict(
+        {
+            "output_dir": str(tmp_path),
+            "model": {"backbone": "iresnet18", "width": 0.125, "embedding_size": 8},
+            "eval": {
+                "targets": [{"name": "lfw", "pairs": "p.txt"}],
+                "every_steps": 1,
+                "best_metric": f"lfw/{metric}",
+            },
+        }
+    )
+    dist_info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    evaluator = PeriodicEvaluation(cfg, dist_info, metrics=None)
+    for step, value in enumerate(values, start=1):
+        model = torch.nn.Linear(2, 2)
+        torch.nn.init.constant_(model.weight, float(step))
+        evaluator._keep_best(step, {f"eval/lfw/{metric}": value}, model)
+    best = json.loads((tmp_path / "best.json").read_text())
+    assert best == {"step": best_step, "metric": f"lfw/{metric}", "value": values[best_step - 1]}
+    state = ckpt.load_backbone_file(tmp_path / "best_backbone.pt")[2]
+    assert torch.all(state["weight"] == best_step)
+    # A resumed run starts from the saved best: a worse value does not replace it.
+    again = PeriodicEvaluation(cfg, dist_info, metrics=None)
+    again._keep_best(9, {f"eval/lfw/{metric}": 0.4 if metric == "eer" else 0.1}, model)
+    assert json.loads((tmp_path / "best.json").read_text())["step"] == best_step
