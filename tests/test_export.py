@@ -1,0 +1,54 @@
+"""ONNX export: onnxruntime on the CPU gives PyTorch's embeddings, at any batch size."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from recognition import checkpoint as ckpt
+from recognition.export import main
+from recognition.models import build_backbone
+
+# Optional: the suite runs without them, saying what is skipped and why.
+pytest.importorskip("onnx", reason="ONNX export tests need onnx: pip install onnx onnxscript")
+pytest.importorskip("onnxscript", reason="torch's ONNX exporter needs onnxscript")
+ort = pytest.importorskip("onnxruntime", reason="the ONNX check needs onnxruntime")
+
+
+def test_onnx_export_matches_pytorch(tmp_path, capsys):
+    torch.manual_seed(0)
+    model_cfg = {"backbone": "iresnet18", "embedding_size": 16, "width": 0.125, "dropout": 0.0}
+    model = build_backbone("iresnet18", embedding_size=16, width=0.125, dropout=0.0, image_size=32)
+    # Non-trivial BatchNorm statistics, so that eval-mode BN is really exercised.
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.BatchNorm2d | torch.nn.BatchNorm1d):
+                module.running_mean.uniform_(-0.5, 0.5)
+                module.running_var.uniform_(0.5, 2.0)
+    ckpt.export_backbone(tmp_path / "backbone.pt", model, model_cfg, 32)
+    out = tmp_path / "model.onnx"
+    assert main(["--checkpoint", str(tmp_path / "backbone.pt"), "--onnx", str(out)]) == 0
+
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["images"]
+    model.eval()
+    for batch in (1, 7):  # dynamic batch: sizes other than the export's example of 2
+        images = torch.randn(batch, 3, 32, 32)
+        (got,) = session.run(["embeddings"], {"images": images.numpy()})
+        with torch.no_grad():
+            expected = model(images).numpy()
+        assert got.shape == (batch, 16)
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+        unit = got / np.linalg.norm(got, axis=1, keepdims=True)
+        ref = expected / np.linalg.norm(expected, axis=1, keepdims=True)
+        np.testing.assert_allclose(unit, ref, atol=1e-4, rtol=0)
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_missing_checkpoint_is_named(tmp_path, capsys):
+    assert (
+        main(["--checkpoint", str(tmp_path / "nope.pt"), "--onnx", str(tmp_path / "m.onnx")]) == 1
+    )
+    assert "nope.pt" in capsys.readouterr().err
+    assert not (tmp_path / "m.onnx").exists()
