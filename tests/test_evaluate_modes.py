@@ -183,3 +183,26 @@ def test_export_embeddings_of_an_image_folder(backbone_file, tmp_path):
         with torch.no_grad():
             e = model(x)[0].double()
         np.testing.assert_allclose(row, (e / e.norm()).numpy(), atol=1e-5)
+
+
+def test_empty_pairs_file_is_named_and_earlier_output_kept(backbone_file, tmp_path, capsys):
+    (tmp_path / "pairs.txt").write_text("\n\n")
+    out = tmp_path / "out.json"
+    out.write_text('{"earlier": true}\n')
+    argv = ["--checkpoint", str(backbone_file), "--pairs", str(tmp_path / "pairs.txt")]
+    assert evaluate.main(argv + ["--json", str(out)]) == 1
+    assert f"{tmp_path / 'pairs.txt'}: empty pairs file" in capsys.readouterr().err
+    assert out.read_text() == '{"earlier": true}\n'
+
+
+def test_path_dataset_crops_the_centre_before_resizing(tmp_path):
+    from recognition.data.transforms import to_input_tensor
+    from recognition.evaluation.embeddings import PathDataset
+
+    pixels = np.random.default_rng(0).integers(0, 255, size=(50, 50, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "a.png")
+    item = PathDataset(["a.png"], size=16, root=tmp_path, crop=30)[0]
+    expected = to_input_tensor(Image.fromarray(pixels[10:40, 10:40]), (16, 16))
+    torch.testing.assert_close(item, expected, rtol=0, atol=0)
+    uncropped = PathDataset(["a.png"], size=16, root=tmp_path)[0]
+    assert not torch.equal(item, uncropped)
