@@ -46,26 +46,27 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def config(train_root: Path, out: Path, *extra: str):
-    return load_config(
-        "default",
-        [
-            f"output_dir={out}",
-            f"data.root={train_root}",
-            "data.synthetic.enabled=false",
-            "data.image_size=32",
-            "data.num_workers=0",
-            "model.width=0.125",
-            "model.embedding_size=16",
-            "train.batch_size=8",
-            "train.epochs=2",
-            "train.max_steps=6",
-            "train.log_every=1",
-            "train.progress=false",
-            "eval.targets=[]",
-            "eval.at_end=false",
-            *extra,
-        ],
-    )
+    return load_config("default", config_overrides(train_root, out, *extra))
+
+
+def config_overrides(train_root: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        f"output_dir={out}",
+        f"data.root={train_root}",
+        "data.synthetic.enabled=false",
+        "data.image_size=32",
+        "data.num_workers=0",
+        "model.width=0.125",
+        "model.embedding_size=16",
+        "train.batch_size=8",
+        "train.epochs=2",
+        "train.max_steps=6",
+        "train.log_every=1",
+        "train.progress=false",
+        "eval.targets=[]",
+        "eval.at_end=false",
+        *extra,
+    ]
 
 
 def test_periodic_eval_logs_and_keeps_the_best(data, tmp_path):
@@ -170,3 +171,66 @@ def test_only_an_improvement_replaces_the_best(tmp_path, metric, values, best_st
     again = PeriodicEvaluation(cfg, dist_info, metrics=None)
     again._keep_best(9, {f"eval/lfw/{metric}": 0.4 if metric == "eer" else 0.1}, model)
     assert json.loads((tmp_path / "best.json").read_text())["step"] == best_step
+
+
+def _rank_main(rank: int, port: int, jobs: list[list[str]], out: str) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    outcomes = []
+    for overrides in jobs:
+        try:
+            train(load_config("default", overrides))
+            outcomes.append("ok")
+        except ValueError as exc:
+            outcomes.append(f"ValueError: {exc}")
+    Path(out, f"rank{rank}.json").write_text(json.dumps(outcomes))
+    dist.barrier()
+    dist.destroy_process_group()
+    # Skip the interpreter's teardown, which intermittently aborts inside gloo.
+    os._exit(0)
+
+
+def test_two_ranks_wait_for_rank0_and_share_its_errors(data, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    train_root, pairs = data
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "pairs.txt").write_text(pairs.read_text())  # its images are not there
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def job(out: Path, target: Path) -> list[str]:
+        return config_overrides(train_root, out) + [
+            f"eval.targets=[{{name: val, pairs: {target}}}]",
+            "eval.every_steps=3",
+            "eval.best_metric=val/accuracy",
+            "train.batch_size=4",
+            "train.timeout_s=60",
+        ]
+
+    jobs = [job(tmp_path / "good", pairs), job(tmp_path / "bad", broken / "pairs.txt")]
+    mp.spawn(_rank_main, args=(port, jobs, str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        good, bad = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert good == "ok"
+        # Every rank stops with rank 0's message (not a collective timeout).
+        assert bad.startswith("ValueError: evaluation at step 3 failed") and "v0_0001" in bad
+    records = [
+        json.loads(x) for x in (tmp_path / "good" / "metrics.jsonl").read_text().split("\n") if x
+    ]
+    assert [r["step"] for r in records if "eval/val/accuracy" in r] == [3, 6]
+    assert json.loads((tmp_path / "good" / "best.json").read_text())["step"] in (3, 6)
+    assert (tmp_path / "good" / "best_backbone.pt").is_file()
