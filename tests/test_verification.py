@@ -307,3 +307,23 @@ def test_roc_plot_rejects_bad_curves(tmp_path):
     with pytest.raises(ValueError, match="'x'"):
         plot_roc({"x": (np.zeros(3), np.zeros(4), {})}, tmp_path / "roc.png")
     assert not (tmp_path / "roc.png").exists()
+
+
+@pytest.mark.parametrize("decimals", [None, 2])
+def test_tar_at_far_matches_scikit_learn_roc(decimals):
+    """TAR@FAR = the highest TPR among scikit-learn's ROC points with FPR <= FAR."""
+    scores, issame = random_scores(11, 30_000, decimals)
+    num_impostors = int((~issame).sum())
+    result = evaluate_verification(scores, issame)
+    fpr, tpr, thresholds = roc_curve(issame, scores, drop_intermediate=False)
+    for far in (1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6):
+        got = result["tar_at_far"][far_key(far)]
+        if num_impostors < 1 / far:
+            assert got is None, far
+            continue
+        allowed = fpr <= far + 1e-12
+        assert got == pytest.approx(tpr[allowed].max(), abs=1e-12), far
+        # The threshold lies on the impostor scores: at or below it nothing more is accepted.
+        threshold = result["far_thresholds"][far_key(far)]
+        assert np.mean(scores[~issame] > threshold) <= far
+        assert threshold in set(scores[~issame])

@@ -1,4 +1,5 @@
-"""Evaluate a backbone on verification targets and report: what train() and evaluate.py call."""
+"""Evaluate a backbone and report: verification targets (pairs files, .bin), re-id ranking,
+embedding export, and the periodic evaluation that train() runs; what evaluate.py calls."""
 
 from __future__ import annotations
 
