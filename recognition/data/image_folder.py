@@ -9,11 +9,13 @@ millions of files cost no Python object per file in the trainer or its DataLoade
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import overload
 
+import numpy as np
 from PIL import Image
 
 from recognition.data.index import (
@@ -113,6 +115,15 @@ class ImageFolderDataset(TrainSource):
 
     def class_name(self, label: int) -> str:
         return self.index.class_name(label)
+
+    def classes_fingerprint(self) -> str:
+        """SHA-256 of the class names, each followed by a newline (as the base class), from the
+        index's name buffer in one pass instead of name by name."""
+        index = self.index
+        lines = np.insert(
+            np.asarray(index.class_blob), np.asarray(index.class_offsets[1:]), ord("\n")
+        )
+        return hashlib.sha256(lines.tobytes()).hexdigest()
 
     def describe(self, index: int) -> str:
         return str(self.root / self.index.relative_path(index))
