@@ -99,9 +99,6 @@ class DataConfig:
     channels_last: bool = False
     """Feed the backbone NHWC (channels-last) tensors and convert its weights: faster convs
     on GPUs with tensor cores, especially under O1/O2."""
-    gpu_decode: bool = False
-    """Decode the JPEGs of a RecordIO pack on the GPU (torchvision.io.decode_jpeg); the
-    workers then only read bytes. Needs format recordio and a CUDA device."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     def __post_init__(self) -> None:
@@ -118,10 +115,6 @@ class DataConfig:
                 raise ConfigError(
                     "data.prefetch_factor: only with worker processes (data.num_workers > 0)"
                 )
-        if self.gpu_decode and self.format not in ("auto", "recordio"):
-            raise ConfigError(
-                f"data.gpu_decode: decodes RecordIO packs only, data.format is {self.format}"
-            )
 
 
 @dataclass

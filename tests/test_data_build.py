@@ -81,8 +81,6 @@ def test_format_auto_picks_the_source(tmp_path: Path):
     for i in range(len(source)):  # labels from the file names
         assert source.class_name(int(source.labels[i])) == source.paths[i][:4]
 
-    with pytest.raises(ConfigError, match="data.gpu_decode"):
-        build_train_dataset(DataConfig(root=str(folder), gpu_decode=True))
     with pytest.raises(ConfigError, match="data.prefetch_factor"):
         DataConfig(num_workers=0, prefetch_factor=2)
 

@@ -57,8 +57,6 @@ def build_train_dataset(
     kind = resolve_format(data_cfg)
     size = data_cfg.image_size
     policy = data_cfg.on_bad_image
-    if data_cfg.gpu_decode and kind != "recordio":
-        raise ConfigError(f"data.gpu_decode: only for RecordIO packs; {data_cfg.root} is {kind}")
     if kind == "recordio":
         return RecordIODataset(data_cfg.root, size, on_bad_image=policy)
     if kind == "market1501":
