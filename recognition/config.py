@@ -66,12 +66,39 @@ class SyntheticConfig:
 @dataclass
 class DataConfig:
     root: str = "data/synthetic/train"
-    """An image folder (one sub-folder per identity)."""
+    """An image folder (one sub-folder per identity), a folder holding an insightface
+    RecordIO pack (`train.rec` + `train.idx`) or a Market-1501 folder
+    (`bounding_box_train/`); see `format`."""
+    format: Literal["auto", "folder", "recordio", "market1501"] = "auto"
+    """auto: recordio when root holds train.rec and train.idx, market1501 when it holds
+    bounding_box_train/, else folder."""
     image_size: int = 112
     """Square input size in pixels; images of any size are resized to it."""
     flip: bool = True
     """Random horizontal flip during training."""
     num_workers: int = 2
+    cache_dir: str | None = None
+    """Where the image-folder index is cached; null: inside data.root (hidden file)."""
+    rebuild_index: bool = False
+    """Rebuild the cached image-folder index even if it looks current."""
+    on_empty_class: Literal["error", "skip"] = "error"
+    """An identity folder without images: stop with its name, or leave it out."""
+    on_bad_image: Literal["error", "skip"] = "error"
+    """An unreadable image: stop with its name, or replace it by another image of the same
+    identity (counted, the first few logged, the total reported at the end of each epoch)."""
+    sampler: Literal["random", "pk"] = "random"
+    """random: a fresh permutation per epoch; pk: batches of P identities x K images."""
+    pk_instances: int = 4
+    """K, images per identity in a batch with sampler=pk (train.batch_size / K identities)."""
+    pin_memory: bool | None = None
+    """Page-locked batches for asynchronous copies to the GPU; null: on when training on GPU."""
+    persistent_workers: bool = True
+    """Keep the DataLoader worker processes from one epoch to the next."""
+    prefetch_factor: int | None = None
+    """Batches each worker loads ahead; null: torch's default (2). Needs num_workers > 0."""
+    channels_last: bool = False
+    """Feed the backbone NHWC (channels-last) tensors and convert its weights: faster convs
+    on GPUs with tensor cores, especially under O1/O2."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     def __post_init__(self) -> None:
@@ -79,6 +106,15 @@ class DataConfig:
             raise ConfigError(f"data.image_size: {self.image_size} is too small (at least 16)")
         if self.num_workers < 0:
             raise ConfigError("data.num_workers: must be 0 or more")
+        if self.pk_instances < 1:
+            raise ConfigError("data.pk_instances: must be at least 1")
+        if self.prefetch_factor is not None:
+            if self.prefetch_factor < 1:
+                raise ConfigError("data.prefetch_factor: must be at least 1 (or null)")
+            if self.num_workers == 0:
+                raise ConfigError(
+                    "data.prefetch_factor: only with worker processes (data.num_workers > 0)"
+                )
 
 
 @dataclass

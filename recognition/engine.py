@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import math
 import random
@@ -38,8 +39,8 @@ from tqdm import tqdm
 from recognition import checkpoint as ckpt
 from recognition import distributed
 from recognition.config import ExperimentConfig, config_to_dict, save_config
-from recognition.data.image_folder import ImageFolderDataset
-from recognition.data.sampler import AugmentedView, ResumableSampler
+from recognition.data.build import build_sampler, build_train_dataset, loader_options
+from recognition.data.sampler import AugmentedView
 from recognition.data.synthetic import SyntheticSpec, ensure_synthetic_dataset
 from recognition.distributed import DistInfo
 from recognition.evaluation.run import PeriodicEvaluation
@@ -170,26 +171,35 @@ def train(cfg: ExperimentConfig) -> Path:
         if dist_info.is_main:
             ensure_synthetic_dataset(Path(cfg.data.synthetic.root), _synthetic_spec(cfg))
         distributed.barrier()
-    base = ImageFolderDataset(cfg.data.root, cfg.data.image_size, train=False)
+    base = build_train_dataset(
+        cfg.data, rank_is_main=dist_info.is_main, barrier=distributed.barrier
+    )
     dataset = AugmentedView(base, flip=cfg.data.flip)
-    # DistributedSampler's order: one permutation per epoch (the same on every rank), rank r
-    # taking every W-th sample, the tail that does not divide by W dropped; the DataLoader
-    # drops an incomplete last batch too, so every rank runs the same number of steps.
-    sampler = ResumableSampler(
-        len(base), num_replicas=dist_info.world_size, rank=dist_info.rank, seed=cfg.seed
+    # data.sampler=random is DistributedSampler's order: one permutation per epoch (the same
+    # on every rank), rank r taking every W-th sample, the tail that does not divide by W
+    # dropped; pk is P identities x K images per batch, whole groups per rank. The
+    # DataLoader drops an incomplete last batch too, so every rank runs the same number of
+    # steps.
+    sampler = build_sampler(
+        cfg.data,
+        base.labels,
+        batch_size=cfg.train.batch_size,
+        num_replicas=dist_info.world_size,
+        rank=dist_info.rank,
+        seed=cfg.seed,
     )
     loader = DataLoader(
         dataset,
         batch_size=cfg.train.batch_size,
         sampler=sampler,
         drop_last=True,
-        num_workers=cfg.data.num_workers,
-        pin_memory=device.type == "cuda",
-        persistent_workers=False,
         # Its own generator: creating an epoch's iterator must not draw from the global RNG,
         # or a run resumed mid-epoch would see different dropout / sampling draws.
         generator=torch.Generator().manual_seed(cfg.seed + dist_info.rank),
+        **loader_options(cfg.data, device),
     )
+    # NHWC inputs for a backbone converted to channels-last (see data.channels_last).
+    memory_format = torch.channels_last if cfg.data.channels_last else torch.preserve_format
     num_classes = base.num_classes
     batches_per_epoch = len(sampler) // cfg.train.batch_size
     steps_per_epoch = batches_per_epoch // cfg.train.accumulate_steps
@@ -207,9 +217,13 @@ def train(cfg: ExperimentConfig) -> Path:
         steps_per_epoch,
         _global_batch(cfg, dist_info),
     )
+    # The class names stay in classes.txt (streamed: two million of them are no list to
+    # keep); checkpoints carry their number and fingerprint, which a resume checks.
+    classes_sha256 = base.classes_fingerprint()
     if dist_info.is_main:
         save_config(cfg, run_dir / "config.yaml")
-        (run_dir / "classes.txt").write_text("\n".join(base.classes) + "\n")
+        if resume_path is None:  # a resumed run's are checked against its checkpoint first
+            base.write_classes(run_dir / "classes.txt")
 
     # ------------------------------------------------------------------ model and head
     backbone = build_backbone(
@@ -226,7 +240,7 @@ def train(cfg: ExperimentConfig) -> Path:
                 "it (model.sync_bn=false)"
             )
         backbone = nn.SyncBatchNorm.convert_sync_batchnorm(backbone)
-    backbone = backbone.to(device)
+    backbone = backbone.to(device, memory_format=memory_format)
     margin = build_margin(
         cfg.head.margin,
         scale=cfg.head.scale,
@@ -294,8 +308,11 @@ def train(cfg: ExperimentConfig) -> Path:
             head,
             optimizer,
             precision,
-            objects=("scheduler", "progress", rng_key),
+            objects=("scheduler", "progress", rng_key, "meta"),
         )
+        _check_same_classes(loaded["meta"], num_classes, classes_sha256, resume_path, run_dir)
+        if dist_info.is_main and not (run_dir / "classes.txt").exists():
+            base.write_classes(run_dir / "classes.txt")
         scheduler.load_state_dict(loaded["scheduler"])
         progress = loaded["progress"]
         step, epoch = progress["step"], progress["epoch"]
@@ -334,7 +351,7 @@ def train(cfg: ExperimentConfig) -> Path:
                 "meta": {
                     "config": config_to_dict(cfg),
                     "num_classes": num_classes,
-                    "classes": list(base.classes),
+                    "classes_sha256": classes_sha256,
                 },
                 f"rng/{dist_info.rank}": ckpt.rng_state(),
             }
@@ -369,7 +386,10 @@ def train(cfg: ExperimentConfig) -> Path:
             )
             for micro_batches in _grouped(loader, cfg.train.accumulate_steps):
                 micro_batches = [
-                    (x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                    (
+                        x.to(device, non_blocking=True, memory_format=memory_format),
+                        y.to(device, non_blocking=True),
+                    )
                     for x, y in micro_batches
                 ]
                 result = train_step(
@@ -430,6 +450,15 @@ def train(cfg: ExperimentConfig) -> Path:
                 if step >= last_step or end_of_epoch:
                     break
             bar.close()
+            # Collective (every rank leaves the epoch's loop at the same step).
+            num_bad = int(distributed.all_reduce_sum(float(base.take_bad_image_count())))
+            if num_bad:
+                log.warning(
+                    "epoch %d: %d unreadable images replaced by others of their identity "
+                    "(data.on_bad_image=skip; the first few are named above)",
+                    epoch,
+                    num_bad,
+                )
             if batches_done >= steps_per_epoch * cfg.train.accumulate_steps:
                 epoch, batches_done = epoch + 1, 0
     finally:
@@ -578,6 +607,37 @@ def _resume_position(
             _global_batch(cfg, dist_info),
         )
     return samples_done // per_batch
+
+
+def _check_same_classes(
+    meta: dict[str, Any] | None,
+    num_classes: int,
+    classes_sha256: str,
+    path: Path,
+    run_dir: Path,
+) -> None:
+    """Refuse to resume a checkpoint whose classes (names in label order) differ from ours.
+
+    Checkpoints store the number of classes and the SHA-256 of their names (older ones the
+    names themselves); the names are in the run directory's classes.txt.
+    """
+    if not isinstance(meta, dict):
+        return
+    saved = meta.get("classes_sha256")
+    if saved is None and isinstance(meta.get("classes"), list):
+        digest = hashlib.sha256()
+        for name in meta["classes"]:
+            digest.update(str(name).encode("utf-8", "surrogateescape") + b"\n")
+        saved = digest.hexdigest()
+    if meta.get("num_classes") not in (None, num_classes) or (
+        saved is not None and saved != classes_sha256
+    ):
+        raise TrainingError(
+            f"{path} was trained on {meta.get('num_classes')} classes whose names differ from "
+            f"the {num_classes} of data.root now: the labels would not mean the same. The "
+            f"checkpoint's class names are in {run_dir / 'classes.txt'} as it was written; "
+            "train on the same data or start a new run"
+        )
 
 
 def _grouped(loader: Iterable, size: int) -> Iterator[list]:

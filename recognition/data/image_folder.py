@@ -2,57 +2,84 @@
 
     root/<identity>/<image>.jpg     (.jpg .jpeg .png .pgm .ppm .bmp .webp, any case)
 
-The index is two plain lists (relative paths and labels) built by listing the folders once.
-That is fine up to a few hundred thousand classes; a compact, cached index for millions of
-classes is a separate concern.
+The file list is a `recognition.data.index.FolderIndex`: compact arrays, built by a parallel
+scan and, through `open_index`, cached next to the data and memory-mapped, so that tens of
+millions of files cost no Python object per file in the trainer or its DataLoader workers.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import overload
 
-import torch
-from torch.utils.data import Dataset
+import numpy as np
+from PIL import Image
 
-from recognition.data.transforms import hflip, load_rgb, to_input_tensor
+from recognition.data.index import (
+    IMAGE_EXTENSIONS,
+    EmptyPolicy,
+    FolderIndex,
+    is_image_file,
+    scan_folder,
+)
+from recognition.data.source import BadImagePolicy, TrainSource, image_size_pair
+from recognition.data.transforms import load_rgb
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".pgm", ".ppm", ".bmp", ".webp")
+__all__ = ["IMAGE_EXTENSIONS", "ImageFolderDataset", "is_image_file"]
 
-
-def is_image_file(name: str) -> bool:
-    """Whether the file name `name` has one of IMAGE_EXTENSIONS, in any letter case."""
-    return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
-
-
-def _image_size_pair(image_size: int | Sequence[int]) -> tuple[int, int]:
-    """`image_size` (an int, or (H, W)) as a (H, W) tuple of positive ints."""
-    if isinstance(image_size, int):
-        size: tuple = (image_size, image_size)
-    elif isinstance(image_size, Sequence):
-        size = tuple(image_size)
-    else:
-        size = ()
-    if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size):
-        raise ValueError(f"image_size must be a positive int or (H, W), got {image_size!r}")
-    return size  # type: ignore[return-value]
+# Kept for code that imported it from here.
+_image_size_pair = image_size_pair
 
 
-class ImageFolderDataset(Dataset):
+class _LazyStrings(Sequence[str]):
+    """A read-only sequence whose items are made on access (class names, relative paths)."""
+
+    def __init__(self, length: int, item: object) -> None:
+        self._length = length
+        self._item = item
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            return [self._item(j) for j in range(*i.indices(self._length))]  # type: ignore[operator]
+        if i < 0:
+            i += self._length
+        if not 0 <= i < self._length:
+            raise IndexError(i)
+        return self._item(i)  # type: ignore[operator]
+
+
+class ImageFolderDataset(TrainSource):
     """`root/<identity>/<image>` files as (image, label) samples.
 
     image: (3, H, W) float32 in [-1, 1], decoded from any mode and resized to `image_size`
     (an int for square images, or (H, W)); label: the index of the identity folder in
-    `classes`. `classes` is the sorted list of sub-folder names of `root` (hidden ones,
-    starting with ".", are skipped), or `class_names` when given, so that a resumed or
-    evaluated run keeps the labels of the run that made the checkpoint: then every name must
-    have its folder, and folders not named are left out. Files inside an identity folder are
-    taken in sorted order; sub-folders and files of other types are ignored.
+    `classes`. `classes` are the sorted sub-folder names of `root` (hidden ones, starting
+    with ".", are skipped), or `class_names` when given, so that a resumed or evaluated run
+    keeps the labels of the run that made the checkpoint: then every name must have its
+    folder, and folders not named are left out. Files inside an identity folder are taken in
+    sorted order; sub-folders and files of other types are ignored.
+
+    `classes` and `paths` (relative `<identity>/<file>`) are lazy sequences over the index;
+    `labels` is the index's (N,) int32 array. `index` passes a FolderIndex built elsewhere
+    (`open_index`, cached); otherwise the folder is scanned now (not cached).
+    `on_empty_class` decides what an identity folder without images does (error or skip);
+    `on_bad_image` what an unreadable image does (see `recognition.data.source`).
 
     With `train=True` each image is flipped left-right with probability 0.5 (drawn from
-    torch's RNG, which DataLoader seeds per worker). The training loop may instead use
-    `train=False` and apply its own seeded flips (`recognition.data.sampler.AugmentedView`).
+    torch's RNG, which DataLoader seeds per worker). The training loop instead uses
+    `train=False` and applies its own seeded flips (`recognition.data.sampler.AugmentedView`).
 
     Raises FileNotFoundError for a missing `root` or named class folder, ValueError for a
     root without class folders or a class folder without images (naming it); reading a
@@ -66,65 +93,40 @@ class ImageFolderDataset(Dataset):
         *,
         train: bool = False,
         class_names: Sequence[str] | None = None,
+        index: FolderIndex | None = None,
+        on_empty_class: EmptyPolicy = "error",
+        on_bad_image: BadImagePolicy = "error",
     ) -> None:
+        super().__init__(on_bad_image)
         self.root = Path(root)
-        self.image_size = _image_size_pair(image_size)
+        self.image_size = image_size_pair(image_size)
         self.train = train
-        if not self.root.exists():
-            raise FileNotFoundError(f"image folder {self.root} does not exist")
-        if not self.root.is_dir():
-            raise NotADirectoryError(f"image folder {self.root} is not a directory")
-        found = sorted(
-            entry.name
-            for entry in os.scandir(self.root)
-            if entry.is_dir() and not entry.name.startswith(".")
-        )
-        if class_names is None:
-            self.classes: list[str] = found
-        else:
-            self.classes = list(class_names)
-            if len(set(self.classes)) != len(self.classes):
-                raise ValueError(f"class_names for {self.root} holds a name twice")
-            missing = sorted(set(self.classes) - set(found))
-            if missing:
-                raise FileNotFoundError(
-                    f"{self.root}: {len(missing)} identity folders named in class_names are "
-                    f"missing, e.g. {missing[0]!r}"
-                )
-        if not self.classes:
-            raise ValueError(
-                f"{self.root}: no identity folders (expected {self.root}/<identity>/<image>)"
-            )
-
-        # Relative paths keep the index small and the data set movable.
-        self.paths: list[str] = []
-        self.labels: list[int] = []
-        for label, name in enumerate(self.classes):
-            folder = self.root / name
-            files = sorted(
-                entry.name
-                for entry in os.scandir(folder)
-                if entry.is_file() and is_image_file(entry.name)
-            )
-            if not files:
-                raise ValueError(
-                    f"{folder}: identity folder holds no images "
-                    f"(looked for {', '.join(IMAGE_EXTENSIONS)})"
-                )
-            self.paths.extend(f"{name}/{file_name}" for file_name in files)
-            self.labels.extend([label] * len(files))
+        if index is None:
+            index = scan_folder(self.root, class_names=class_names, on_empty=on_empty_class)
+        self.index = index
+        self.labels = index.labels
+        self.classes: Sequence[str] = _LazyStrings(index.num_classes, index.class_name)
+        self.paths: Sequence[str] = _LazyStrings(len(index), index.relative_path)
 
     @property
     def num_classes(self) -> int:
         """Number of identities (the head's number of classes)."""
-        return len(self.classes)
+        return self.index.num_classes
 
-    def __len__(self) -> int:
-        return len(self.paths)
+    def class_name(self, label: int) -> str:
+        return self.index.class_name(label)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        """Sample `index` as ((3, H, W) float32 image in [-1, 1], label)."""
-        image = to_input_tensor(load_rgb(self.root / self.paths[index]), self.image_size)
-        if self.train and torch.rand(()) < 0.5:
-            image = hflip(image)
-        return image, self.labels[index]
+    def classes_fingerprint(self) -> str:
+        """SHA-256 of the class names, each followed by a newline (as the base class), from the
+        index's name buffer in one pass instead of name by name."""
+        index = self.index
+        lines = np.insert(
+            np.asarray(index.class_blob), np.asarray(index.class_offsets[1:]), ord("\n")
+        )
+        return hashlib.sha256(lines.tobytes()).hexdigest()
+
+    def describe(self, index: int) -> str:
+        return str(self.root / self.index.relative_path(index))
+
+    def decode(self, index: int) -> Image.Image:
+        return load_rgb(self.root / self.index.relative_path(index))

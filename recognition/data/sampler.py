@@ -2,10 +2,11 @@
 
 `ResumableSampler` yields the order of `torch.utils.data.DistributedSampler` (a permutation
 seeded by seed + epoch, this rank's slice, drop_last) as `(index, sample_seed)` pairs and
-can start at any position of the epoch. `AugmentedView` draws a sample's random
-augmentation from its `sample_seed`, not from the DataLoader worker's RNG, so an image is
-flipped the same way whichever worker loads it and whether or not the run was resumed:
-N steps + resume + N steps sees exactly the data of 2N steps straight.
+can start at any position of the epoch; `IdentityBalancedSampler` does the same for P x K
+batches (P identities x K images each, as re-id training uses). `AugmentedView` draws a
+sample's random augmentation from its `sample_seed`, not from the DataLoader worker's RNG,
+so an image is flipped the same way whichever worker loads it and whether or not the run
+was resumed: N steps + resume + N steps sees exactly the data of 2N steps straight.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
@@ -77,3 +79,102 @@ class AugmentedView(Dataset):
         if self.flip and rng.random() < 0.5:
             image = image.flip(-1)
         return image, label
+
+
+class IdentityBalancedSampler(Sampler[tuple[int, int]]):
+    """P x K batches: every batch holds `batch_size / instances` identities x `instances` images.
+
+    The epoch's order is drawn from (seed, epoch) alone and is the same on every rank: each
+    identity's images are shuffled and cut into groups of K = `instances` (an identity with
+    fewer than K images fills its one group by drawing again from its images; a trailing
+    incomplete group is dropped), then the groups are shuffled. A global step takes W x P
+    groups (W = `num_replicas`, P = `batch_size / K`): rank r the P groups from r x P, so
+    every rank's batch holds whole groups and the ranks never share a group. Groups that do
+    not fill a whole global step are dropped, so every rank runs the same number of steps.
+
+    Like `ResumableSampler` it yields `(index, sample_seed)` and `set_epoch(epoch, start)`
+    skips this rank's first `start` samples. The seed is drawn from the sample's position in
+    the epoch, not its index: an image can appear twice in an epoch (the filling above).
+    """
+
+    def __init__(
+        self,
+        labels: np.ndarray,
+        *,
+        instances: int,
+        batch_size: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+    ):
+        if instances < 1 or batch_size % instances:
+            raise ValueError(
+                f"batch size {batch_size} is not a multiple of the {instances} instances "
+                "per identity"
+            )
+        labels = np.asarray(labels)
+        self.order = np.argsort(labels, kind="stable")
+        num_classes = int(labels.max()) + 1 if len(labels) else 0
+        self.starts = np.searchsorted(labels[self.order], np.arange(num_classes + 1))
+        self.instances = instances
+        self.groups_per_batch = batch_size // instances
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.seed = seed
+        self.epoch = 0
+        self.start = 0
+        present = int(np.count_nonzero(np.diff(self.starts)))
+        if present < self.groups_per_batch:
+            raise ValueError(
+                f"{present} identities, fewer than the {self.groups_per_batch} a batch holds"
+            )
+        self._cached: tuple[int, np.ndarray] | None = None
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Select the epoch's order and skip its first `start` samples (of this rank)."""
+        self.epoch = epoch
+        self.start = start
+
+    def _groups(self, epoch: int) -> np.ndarray:
+        """(G, K) sample indices of the epoch's shuffled groups (same on every rank)."""
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
+        rng = np.random.default_rng([self.seed, epoch])
+        k = self.instances
+        groups = []
+        for label in range(len(self.starts) - 1):
+            members = self.order[self.starts[label] : self.starts[label + 1]]
+            if len(members) == 0:
+                continue
+            if len(members) < k:
+                members = rng.choice(members, size=k, replace=True)
+            else:
+                members = rng.permutation(members)
+            usable = len(members) - len(members) % k
+            groups.append(members[:usable].reshape(-1, k))
+        table = np.concatenate(groups)[rng.permutation(sum(len(g) for g in groups))]
+        self._cached = (epoch, table)
+        return table
+
+    def _rank_positions(self) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's (sample indices, positions in the epoch's global order)."""
+        groups = self._groups(self.epoch)
+        p, w, k = self.groups_per_batch, self.num_replicas, self.instances
+        steps = len(groups) // (p * w)
+        group_ids = (
+            np.arange(steps)[:, None] * (p * w) + self.rank * p + np.arange(p)[None, :]
+        ).ravel()
+        positions = (group_ids[:, None] * k + np.arange(k)[None, :]).ravel()
+        return groups[group_ids].ravel(), positions
+
+    def __len__(self) -> int:
+        groups = len(self._groups(self.epoch))
+        per_rank = groups // (self.groups_per_batch * self.num_replicas) * self.groups_per_batch
+        return per_rank * self.instances - self.start
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        indices, positions = self._rank_positions()
+        for index, position in zip(
+            indices[self.start :].tolist(), positions[self.start :].tolist(), strict=True
+        ):
+            yield index, sample_seed(self.seed, self.epoch, position)

@@ -13,6 +13,7 @@ to the training data set, which draws it at random.
 
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
@@ -51,6 +52,17 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+def decode_rgb(data: bytes, name: str) -> Image.Image:
+    """Decode the encoded image `data` (JPEG, PNG, ...) as 8-bit RGB, like `load_rgb`.
+
+    `name` says where the bytes came from (a file, a record of a .rec file) in the ValueError
+    raised for empty, corrupt, truncated or unknown data.
+    """
+    if not data:
+        raise ValueError(f"{name}: cannot decode image (empty)")
+    return _decode(io.BytesIO(data), name)
+
+
 def load_rgb(path: str | os.PathLike) -> Image.Image:
     """Decode the image file at `path` as 8-bit RGB (see `to_rgb` for the mode handling).
 
@@ -59,8 +71,12 @@ def load_rgb(path: str | os.PathLike) -> Image.Image:
     they came from. Truncated files are always an error (PIL's LOAD_TRUNCATED_IMAGES is left
     as it is, off by default), so that a damaged data set is noticed rather than trained on.
     """
+    return _decode(path, path)
+
+
+def _decode(source: str | os.PathLike | io.BytesIO, name: str | os.PathLike) -> Image.Image:
     try:
-        with Image.open(path) as image:
+        with Image.open(source) as image:
             # load() forces the full decode inside the `with`: a truncated file fails here,
             # not later in a DataLoader worker with no file name attached.
             image.load()
@@ -68,9 +84,9 @@ def load_rgb(path: str | os.PathLike) -> Image.Image:
     except FileNotFoundError:
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
-        raise ValueError(f"{path}: cannot decode image ({error})") from error
+        raise ValueError(f"{name}: cannot decode image ({error})") from error
     except Image.DecompressionBombError as error:
-        raise ValueError(f"{path}: image too large to decode safely ({error})") from error
+        raise ValueError(f"{name}: image too large to decode safely ({error})") from error
 
 
 def resize(tensor: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

@@ -1,0 +1,261 @@
+"""Benchmark of the data side: indexing a huge image folder, and loader throughput.
+
+    python -m benchmarks.data --tree /tmp/bench_tree          # 100k folders x 10 files
+    python -m benchmarks.data --tree /tmp/t --classes 1000 --files-per-class 10 --json d.json
+    python -m benchmarks.data --skip-index                    # the loader part only
+
+**Index** (a generated tree of `--classes` identity folders x `--files-per-class` empty
+`.jpg` files, made once and reused): each method runs in a fresh process, which reports the
+wall time and its resident memory after the import of its libraries (`baseline`), holding
+the result (`after`) and at its peak (VmHWM); `held` = after - baseline is what keeping the
+index costs that process (and, copied page by page, each DataLoader worker of it).
+
+    warm-up            one listing of the tree, not reported: fills the kernel's dentry and
+                       inode caches, so every method below lists from memory alike
+    torchvision        torchvision.datasets.ImageFolder(root) (os.walk + Python lists)
+    index build        recognition's parallel scan + writing the cache file (open_index,
+                       refresh), then memory-mapping it
+    index cached       second start: fingerprint check (a stat per identity folder) + mmap
+
+**Loader**: images/s of a DataLoader (batch 128, 112x112 output, flips) over an image folder
+of real JPEGs (the built-in synthetic faces, `--loader-images` of them) and over the same
+images packed into .rec/.idx, with 0 worker processes (the main process decodes: the rate
+of one worker) and with 1 and 2 workers. One warm-up pass first (page cache), then the
+median of `--repeats` passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def make_tree(root: Path, classes: int, per_class: int) -> None:
+    """`classes` folders x `per_class` empty .jpg files under `root` (kept if complete)."""
+    marker = root / ".complete"
+    if marker.exists() and marker.read_text() == f"{classes} {per_class}":
+        return
+    if root.exists():
+        shutil.rmtree(root)
+    start = time.perf_counter()
+    root.mkdir(parents=True)
+    for c in range(classes):
+        folder = root / f"m.{c:07d}"
+        folder.mkdir()
+        for n in range(per_class):
+            # os.open/close: the cheapest way to make an empty file from Python.
+            os.close(os.open(folder / f"{n:03d}.jpg", os.O_CREAT | os.O_WRONLY, 0o644))
+    marker.write_text(f"{classes} {per_class}")
+    print(f"generated {classes * per_class:,} files in {time.perf_counter() - start:.0f} s")
+
+
+# ---------------------------------------------------------------------- index: one method
+
+
+def measure(method: str, tree: str, cache_dir: str) -> dict:
+    """Run one index method in this (fresh) process; returns its numbers."""
+    import numpy  # noqa: F401  (imports count in the baseline, not in the index)
+    import torch  # noqa: F401
+    import torchvision.datasets
+
+    from recognition.data.index import open_index, scan_folder
+
+    baseline = _status_kib("VmRSS")
+    start = time.perf_counter()
+    size = 0
+    if method == "warm-up":
+        held = scan_folder(tree)
+        count = len(held)
+    elif method == "torchvision":
+        held = torchvision.datasets.ImageFolder(tree)
+        count = len(held.samples)
+    elif method == "index build":
+        held = open_index(tree, cache_dir=cache_dir, refresh=True)
+        count, size = len(held), held.nbytes()
+    elif method == "index cached":
+        held = open_index(tree, cache_dir=cache_dir)
+        count, size = len(held), held.nbytes()
+    else:
+        raise ValueError(method)
+    elapsed = time.perf_counter() - start
+    after = _status_kib("VmRSS")
+    return {
+        "method": method,
+        "files": count,
+        "seconds": elapsed,
+        "baseline_mib": baseline / 1024,
+        "held_mib": (after - baseline) / 1024,
+        "peak_mib": (_status_kib("VmHWM") - baseline) / 1024,
+        "index_bytes_mib": size / 2**20,
+    }
+
+
+def run_index(tree: Path, cache_dir: Path) -> list[dict]:
+    rows = []
+    for method in ("warm-up", "torchvision", "index build", "index cached"):
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.data",
+                "--measure",
+                method,
+                str(tree),
+                str(cache_dir),
+            ],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        row = json.loads(out.strip().splitlines()[-1])
+        if method != "warm-up":
+            rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------- loader
+
+
+def run_loader(work: Path, num_images: int, repeats: int, batch_size: int) -> list[dict]:
+    import torch
+    from torch.utils.data import DataLoader
+
+    from recognition.data import pack
+    from recognition.data.image_folder import ImageFolderDataset
+    from recognition.data.recordio import RecordIODataset
+    from recognition.data.sampler import AugmentedView, ResumableSampler
+    from recognition.data.synthetic import SyntheticSpec, ensure_synthetic_dataset
+
+    per = 16
+    spec = SyntheticSpec(
+        num_identities=max(1, num_images // per),
+        images_per_identity=per,
+        num_val_identities=2,
+        val_images_per_identity=2,
+        num_folds=1,
+        pairs_per_fold=1,
+        image_size=112,
+    )
+    ensure_synthetic_dataset(work / "synthetic", spec)
+    folder = work / "synthetic" / "train"
+    if not (work / "rec" / "train.rec").exists():
+        pack.main([str(folder), str(work / "rec")])
+    sources = {
+        "image folder": ImageFolderDataset(folder, 112),
+        "recordio": RecordIODataset(work / "rec", 112),
+    }
+    rows = []
+    torch.set_num_threads(1)
+    for name, source in sources.items():
+        mean_kib = os.path.getsize(work / "rec" / "train.rec") / len(source) / 1024
+        for workers in (0, 1, 2):
+            sampler = ResumableSampler(len(source), seed=0)
+            loader = DataLoader(
+                AugmentedView(source, flip=True),
+                batch_size=batch_size,
+                sampler=sampler,
+                drop_last=True,
+                num_workers=workers,
+                persistent_workers=workers > 0,
+            )
+            rates = []
+            for epoch in range(repeats + 1):
+                sampler.set_epoch(epoch)
+                start = time.perf_counter()
+                count = sum(len(y) for _, y in loader)
+                if epoch > 0:  # the first pass warms the page cache and starts the workers
+                    rates.append(count / (time.perf_counter() - start))
+            rows.append(
+                {
+                    "source": name,
+                    "workers": workers,
+                    "images_per_sec": statistics.median(rates),
+                    "images": count,
+                    "mean_image_kib": mean_kib,
+                }
+            )
+            del loader
+    return rows
+
+
+# ---------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tree", type=Path, default=Path(tempfile.gettempdir()) / "bench_tree")
+    parser.add_argument("--classes", type=int, default=100_000)
+    parser.add_argument("--files-per-class", type=int, default=10)
+    parser.add_argument("--keep-tree", action="store_true", help="do not delete the tree")
+    parser.add_argument("--skip-index", action="store_true")
+    parser.add_argument("--skip-loader", action="store_true")
+    parser.add_argument("--loader-images", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--json", type=Path, help="also write every measurement here")
+    parser.add_argument("--measure", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.measure:
+        print(json.dumps(measure(*args.measure)))
+        return
+
+    results: dict = {}
+    if not args.skip_index:
+        make_tree(args.tree, args.classes, args.files_per_class)
+        cache_dir = Path(tempfile.mkdtemp(prefix="bench_index_cache"))
+        try:
+            rows = run_index(args.tree, cache_dir)
+        finally:
+            shutil.rmtree(cache_dir)
+            if not args.keep_tree:
+                shutil.rmtree(args.tree)
+        results["index"] = rows
+        print(f"\nIndex of {args.classes:,} identity folders x {args.files_per_class} files")
+        print("| method | files | time (s) | RSS held (MiB) | RSS peak (MiB) | arrays (MiB) |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            arrays = f"{r['index_bytes_mib']:.1f}" if r["index_bytes_mib"] else "-"
+            print(
+                f"| {r['method']} | {r['files']:,} | {r['seconds']:.2f} | {r['held_mib']:.1f} "
+                f"| {r['peak_mib']:.1f} | {arrays} |"
+            )
+    if not args.skip_loader:
+        work = Path(tempfile.mkdtemp(prefix="bench_loader"))
+        try:
+            rows = run_loader(work, args.loader_images, args.repeats, args.batch_size)
+        finally:
+            shutil.rmtree(work)
+        results["loader"] = rows
+        print(f"\nLoader, 112x112, batch {args.batch_size}, {rows[0]['images']} images per pass")
+        print("| source | worker processes | images/s | images/s per worker |")
+        print("|---|---|---|---|")
+        for r in rows:
+            per_worker = r["images_per_sec"] / max(1, r["workers"])
+            print(
+                f"| {r['source']} | {r['workers']} | {r['images_per_sec']:.0f} | {per_worker:.0f} |"
+            )
+        print(f"(mean encoded image: {rows[0]['mean_image_kib']:.1f} KiB)")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Build the training data from `DataConfig`: the source, the sampler, the DataLoader options.
+
+`data.format` picks the source (`auto` looks at `data.root`):
+
+    recordio     root/train.rec + root/train.idx      insightface packs (MS1MV3, Glint360K, ...)
+    market1501   root/bounding_box_train/             Market-1501 / DukeMTMC-reID crops
+    folder       root/<identity>/<image>              anything else; cached compact index
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from recognition.config import ConfigError, DataConfig
+from recognition.data.image_folder import ImageFolderDataset
+from recognition.data.index import open_index
+from recognition.data.market_train import TRAIN_FOLDER, Market1501TrainDataset
+from recognition.data.recordio import RecordIODataset
+from recognition.data.sampler import IdentityBalancedSampler, ResumableSampler
+from recognition.data.source import TrainSource
+
+log = logging.getLogger(__name__)
+
+
+def resolve_format(data_cfg: DataConfig) -> str:
+    """`data.format`, with `auto` resolved by what `data.root` holds."""
+    if data_cfg.format != "auto":
+        return data_cfg.format
+    root = Path(data_cfg.root)
+    if (root / "train.rec").is_file() and (root / "train.idx").is_file():
+        return "recordio"
+    if (root / TRAIN_FOLDER).is_dir():
+        return "market1501"
+    return "folder"
+
+
+def build_train_dataset(
+    data_cfg: DataConfig,
+    *,
+    rank_is_main: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+    class_names: Sequence[str] | None = None,
+) -> TrainSource:
+    """The training source of `data_cfg` (see the module docstring).
+
+    Collective through `barrier` for image folders: the main rank builds or checks the
+    cached index while the others wait, then all map it. `class_names` fixes the label
+    order of an image folder (others ignore it). Samples come unflipped (`train=False`): the
+    training loop flips through `AugmentedView`, seeded per sample.
+    """
+    kind = resolve_format(data_cfg)
+    size = data_cfg.image_size
+    policy = data_cfg.on_bad_image
+    if kind == "recordio":
+        return RecordIODataset(data_cfg.root, size, on_bad_image=policy)
+    if kind == "market1501":
+        return Market1501TrainDataset(data_cfg.root, size, on_bad_image=policy)
+    index = open_index(
+        data_cfg.root,
+        cache_dir=data_cfg.cache_dir,
+        class_names=class_names,
+        on_empty=data_cfg.on_empty_class,
+        refresh=data_cfg.rebuild_index,
+        rank_is_main=rank_is_main,
+        barrier=barrier,
+    )
+    return ImageFolderDataset(
+        data_cfg.root,
+        size,
+        index=index,
+        on_bad_image=policy,
+    )
+
+
+def build_sampler(
+    data_cfg: DataConfig,
+    labels: np.ndarray,
+    *,
+    batch_size: int,
+    num_replicas: int,
+    rank: int,
+    seed: int,
+) -> ResumableSampler | IdentityBalancedSampler:
+    """The training order: `data.sampler` random (DistributedSampler's) or pk (P x K)."""
+    if data_cfg.sampler == "pk":
+        if batch_size % data_cfg.pk_instances:
+            raise ConfigError(
+                f"data.pk_instances: train.batch_size {batch_size} is not a multiple of "
+                f"{data_cfg.pk_instances} (a batch holds whole groups of K images)"
+            )
+        return IdentityBalancedSampler(
+            labels,
+            instances=data_cfg.pk_instances,
+            batch_size=batch_size,
+            num_replicas=num_replicas,
+            rank=rank,
+            seed=seed,
+        )
+    return ResumableSampler(len(labels), num_replicas=num_replicas, rank=rank, seed=seed)
+
+
+def loader_options(data_cfg: DataConfig, device: torch.device) -> dict[str, Any]:
+    """DataLoader keyword arguments for workers, pinning and prefetching."""
+    workers = data_cfg.num_workers
+    options: dict[str, Any] = {
+        "num_workers": workers,
+        # Pinned host memory lets the copy to the GPU run asynchronously (non_blocking).
+        "pin_memory": device.type == "cuda" if data_cfg.pin_memory is None else data_cfg.pin_memory,
+    }
+    if workers > 0:
+        # Persistent workers keep their processes (and the pages of the index they touched)
+        # from one epoch to the next instead of forking new ones at every epoch.
+        options["persistent_workers"] = data_cfg.persistent_workers
+        if data_cfg.prefetch_factor is not None:
+            options["prefetch_factor"] = data_cfg.prefetch_factor
+    return options
