@@ -43,7 +43,7 @@ from recognition.data.build import build_sampler, build_train_dataset, loader_op
 from recognition.data.sampler import AugmentedView
 from recognition.data.synthetic import SyntheticSpec, ensure_synthetic_dataset
 from recognition.distributed import DistInfo
-from recognition.evaluation.run import PeriodicEvaluation
+from recognition.evaluation.run import PeriodicEvaluation, check_training_targets
 from recognition.heads import ShardedMarginSoftmax, build_margin
 from recognition.heads.margin_softmax import WEIGHT_INIT_STD
 from recognition.logging import MetricsWriter, setup_logging
@@ -171,6 +171,8 @@ def train(cfg: ExperimentConfig) -> Path:
         if dist_info.is_main:
             ensure_synthetic_dataset(Path(cfg.data.synthetic.root), _synthetic_spec(cfg))
         distributed.barrier()
+    # Evaluation targets are checked now, not found missing hours into the run.
+    check_training_targets(cfg, dist_info)
     base = build_train_dataset(
         cfg.data, rank_is_main=dist_info.is_main, barrier=distributed.barrier
     )

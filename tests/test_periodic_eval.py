@@ -205,9 +205,16 @@ def test_two_ranks_wait_for_rank0_and_share_its_errors(data, tmp_path):
     import torch.multiprocessing as mp
 
     train_root, pairs = data
+    # Images that exist (so the check at the start passes) but cannot be decoded.
     broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "pairs.txt").write_text(pairs.read_text())  # its images are not there
+    for image in pairs.parent.glob("*/*.jpg"):
+        (broken / image.parent.name).mkdir(parents=True, exist_ok=True)
+        (broken / image.parent.name / image.name).write_bytes(b"")
+    (broken / "pairs.txt").write_text(pairs.read_text())
+    # Images that are not there at all: every rank stops before training.
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    (missing / "pairs.txt").write_text(pairs.read_text())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -221,16 +228,38 @@ def test_two_ranks_wait_for_rank0_and_share_its_errors(data, tmp_path):
             "train.timeout_s=60",
         ]
 
-    jobs = [job(tmp_path / "good", pairs), job(tmp_path / "bad", broken / "pairs.txt")]
+    jobs = [
+        job(tmp_path / "good", pairs),
+        job(tmp_path / "bad", broken / "pairs.txt"),
+        job(tmp_path / "missing_run", missing / "pairs.txt"),
+    ]
     mp.spawn(_rank_main, args=(port, jobs, str(tmp_path)), nprocs=2)
     for rank in (0, 1):
-        good, bad = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        good, bad, absent = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert good == "ok"
         # Every rank stops with rank 0's message (not a collective timeout).
         assert bad.startswith("ValueError: evaluation at step 3 failed") and "v0_0001" in bad
+        assert absent.startswith("ValueError: eval.targets: ") and "v0_0001" in absent
+    assert not (tmp_path / "missing_run" / "checkpoints").exists()
     records = [
         json.loads(x) for x in (tmp_path / "good" / "metrics.jsonl").read_text().split("\n") if x
     ]
     assert [r["step"] for r in records if "eval/val/accuracy" in r] == [3, 6]
     assert json.loads((tmp_path / "good" / "best.json").read_text())["step"] in (3, 6)
     assert (tmp_path / "good" / "best_backbone.pt").is_file()
+
+
+@pytest.mark.parametrize("kind", ["pairs", "bin"])
+def test_missing_target_stops_before_the_first_step(data, tmp_path, kind):
+    train_root, _ = data
+    missing = tmp_path / f"nowhere.{'txt' if kind == 'pairs' else 'bin'}"
+    cfg = config(
+        train_root,
+        tmp_path / "run",
+        f"eval.targets=[{{name: gone, {kind}: {missing}}}]",
+        "eval.every_steps=1000",
+    )
+    with pytest.raises(ValueError, match=rf"eval.targets: .*{missing.name}"):
+        train(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -77,6 +77,40 @@ def load_target(target: EvalTarget) -> tuple[Pairs, Path]:
     return resolve_images(pairs, root), root
 
 
+def check_targets(targets: Sequence[EvalTarget]) -> None:
+    """Fail now, not hours into training, when a target's files are missing or malformed.
+
+    Reads every pairs file and checks its images exist; checks every ``.bin`` file exists
+    (it is read in full only when evaluated). Raises FileNotFoundError / ValueError naming
+    the file and line.
+    """
+    for target in targets:
+        if target.bin is not None:
+            if not Path(target.bin).is_file():
+                raise FileNotFoundError(f"eval target {target.label}: {target.bin} not found")
+        else:
+            load_target(target)
+
+
+def check_training_targets(cfg: ExperimentConfig, dist_info: DistInfo) -> None:
+    """Collective: rank 0 checks the targets training will evaluate; every rank raises on error.
+
+    Raises ValueError ``"eval.targets: ..."`` naming the missing or malformed file.
+    """
+    if not cfg.eval.targets or not (cfg.eval.every_steps or cfg.eval.at_end):
+        return
+    error = None
+    if dist_info.is_main:
+        try:
+            check_targets(cfg.eval.targets)
+        except (ValueError, FileNotFoundError) as exc:
+            error = f"eval.targets: {exc}"
+    # Broadcast, so that every rank stops when rank 0 finds a target missing.
+    error = distributed.broadcast_object(error)
+    if error is not None:
+        raise ValueError(error)
+
+
 def embed_pairs(
     backbone: nn.Module,
     pairs: Pairs,
