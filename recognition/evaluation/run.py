@@ -111,34 +111,6 @@ def check_training_targets(cfg: ExperimentConfig, dist_info: DistInfo) -> None:
         raise ValueError(error)
 
 
-def embed_pairs(
-    backbone: nn.Module,
-    pairs: Pairs,
-    root: Path,
-    image_size: int,
-    *,
-    batch_size: int,
-    flip: bool,
-    device: torch.device,
-    num_workers: int = 0,
-    progress: bool = True,
-    crop: int | None = None,
-) -> tuple[np.ndarray, list[str]]:
-    """Embeddings (N, D) of every image the pairs name, and those paths (relative to root)."""
-    paths = pairs.images()
-    dataset = PathDataset(paths, size=image_size, root=root, crop=crop)
-    embeddings = extract_embeddings(
-        backbone,
-        dataset,
-        batch_size=batch_size,
-        flip=flip,
-        device=device,
-        num_workers=num_workers,
-        progress=progress,
-    )
-    return embeddings, paths
-
-
 def verify_consecutive(
     embeddings: np.ndarray, issame: np.ndarray, num_folds: int = 10
 ) -> dict[str, object]:
