@@ -72,8 +72,9 @@ class DataConfig:
     format: Literal["auto", "folder", "recordio", "market1501"] = "auto"
     """auto: recordio when root holds train.rec and train.idx, market1501 when it holds
     bounding_box_train/, else folder."""
-    image_size: int = 112
-    """Square input size in pixels; images of any size are resized to it."""
+    image_size: int | list[int] = 112
+    """Input size in pixels: one side (a square, 112 for aligned faces) or [H, W] (e.g.
+    [256, 128] for person crops); images of any size are resized to it."""
     flip: bool = True
     """Random horizontal flip during training."""
     num_workers: int = 2
@@ -102,8 +103,7 @@ class DataConfig:
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     def __post_init__(self) -> None:
-        if self.image_size < 16:
-            raise ConfigError(f"data.image_size: {self.image_size} is too small (at least 16)")
+        self.image_size = check_image_size(self.image_size, "data.image_size")
         if self.num_workers < 0:
             raise ConfigError("data.num_workers: must be 0 or more")
         if self.pk_instances < 1:
@@ -338,8 +338,9 @@ class EvalConfig:
     batch_size: int = 128
     flip: bool = True
     """Sum the embeddings of each image and its mirror image."""
-    image_size: int | None = None
-    """Input size for evaluation; null: the training size (data.image_size)."""
+    image_size: int | list[int] | None = None
+    """Input size for evaluation, one side or [H, W]; null: the training size
+    (data.image_size)."""
 
     def __post_init__(self) -> None:
         for i, target in enumerate(self.targets):
@@ -355,8 +356,8 @@ class EvalConfig:
             raise ConfigError("eval.every_steps: must be at least 1 (or null)")
         if self.batch_size < 1:
             raise ConfigError("eval.batch_size: must be at least 1")
-        if self.image_size is not None and self.image_size < 16:
-            raise ConfigError(f"eval.image_size: {self.image_size} is too small (at least 16)")
+        if self.image_size is not None:
+            self.image_size = check_image_size(self.image_size, "eval.image_size")
         if self.best_metric is not None:
             target, _, metric = self.best_metric.partition("/")
             if target not in labels:
@@ -370,6 +371,48 @@ class EvalConfig:
                     "eval.best_metric: needs eval.every_steps (the best is chosen among the "
                     "periodic evaluations)"
                 )
+
+
+MIN_IMAGE_SIDE = 16
+
+
+def check_image_size(value: Any, key: str) -> int | list[int]:
+    """`value` checked as an input size: one side (an int) or [H, W] (a list, a tuple
+    becomes a list so that the saved config.yaml stays plain YAML).
+
+    Raises ConfigError naming `key` for anything else or a side under MIN_IMAGE_SIDE.
+    """
+    if isinstance(value, (list, tuple)):
+        sides = list(value)
+        if len(sides) != 2 or not all(
+            isinstance(s, int) and not isinstance(s, bool) for s in sides
+        ):
+            raise ConfigError(
+                f"{key}: expected one side or [height, width] (two integers), got {value!r}"
+            )
+    elif isinstance(value, int) and not isinstance(value, bool):
+        sides = [value]
+    else:
+        raise ConfigError(f"{key}: expected one side or [height, width], got {value!r}")
+    if min(sides) < MIN_IMAGE_SIDE:
+        raise ConfigError(f"{key}: {value!r} is too small (at least {MIN_IMAGE_SIDE} a side)")
+    return sides if isinstance(value, (list, tuple)) else value
+
+
+def parse_image_size(text: str, key: str) -> int | tuple[int, int]:
+    """A command-line input size, `N` or `HxW` (e.g. `256x128`), as an int or (H, W).
+
+    Raises ConfigError naming `key` (the option) for anything else.
+    """
+    parts = text.lower().split("x")
+    try:
+        sides = [int(p) for p in parts]
+    except ValueError:
+        sides = []
+    if len(sides) not in (1, 2):
+        raise ConfigError(f"{key}: expected N or HxW (e.g. 112 or 256x128), got {text!r}")
+    size = check_image_size(sides[0] if len(sides) == 1 else sides, key)
+    return size if isinstance(size, int) else (size[0], size[1])
 
 
 def parse_metric(metric: str, key: str) -> tuple[str, float | None]:
@@ -609,6 +652,8 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
 
 
 def _type_name(tp: Any) -> str:
+    if get_origin(tp) is list:
+        return f"a list of {_type_name(get_args(tp)[0])}"
     if get_origin(tp) in (Union, types.UnionType):
         return " or ".join(_type_name(a) for a in get_args(tp))
     if tp is type(None):

@@ -10,9 +10,11 @@ import yaml
 from recognition.config import (
     CONFIG_DIR,
     ConfigError,
+    DataConfig,
     ExperimentConfig,
     config_from_dict,
     load_config,
+    parse_image_size,
     save_config,
 )
 
@@ -137,3 +139,31 @@ def test_saved_config_round_trips(tmp_path):
     again = load_config(str(tmp_path / "config.yaml"))
     assert again == cfg
     assert isinstance(again, ExperimentConfig)
+
+
+@pytest.mark.parametrize("value, expected", [("112", 112), ("[256, 128]", [256, 128])])
+def test_image_size_is_one_side_or_height_width(value, expected, tmp_path):
+    cfg = load_config("default", [f"data.image_size={value}", f"eval.image_size={value}"])
+    assert cfg.data.image_size == expected and cfg.eval.image_size == expected
+    # A list stays a list in config.yaml, and loads back the same.
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(str(tmp_path / "config.yaml")) == cfg
+
+
+@pytest.mark.parametrize(
+    "value", ["[256]", "[0, 128]", "[256, 8]", "big", "8", "true", "[256, 128, 3]", "[256, x]"]
+)
+@pytest.mark.parametrize("key", ["data.image_size", "eval.image_size"])
+def test_bad_image_size_names_the_key(key, value):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("default", [f"{key}={value}"])
+
+
+def test_image_size_from_python_and_the_command_line():
+    # A tuple (from Python code) is kept as the list YAML would give.
+    assert DataConfig(image_size=(64, 32)).image_size == [64, 32]
+    assert parse_image_size("112", "--image-size") == 112
+    assert parse_image_size("256x128", "--image-size") == (256, 128)
+    for text in ("big", "256x", "1x2x3", "8x8"):
+        with pytest.raises(ConfigError, match="--image-size"):
+            parse_image_size(text, "--image-size")
