@@ -195,6 +195,30 @@ def test_bad_image_size_raises(image_size: int) -> None:
         iresnet18(width=0.125, image_size=image_size)
 
 
+def test_iresnet_takes_height_and_width() -> None:
+    model = iresnet18(width=0.125, image_size=(32, 16), embedding_size=8)
+    # fc input = 512 * width * (H / 16) * (W / 16): the 2x1 map is flattened, not pooled
+    assert model.fc.in_features == 64 * 2 * 1
+    assert model(torch.randn(2, 3, 32, 16)).shape == (2, 8)
+    with pytest.raises(ValueError, match="32x16"):
+        model(torch.randn(2, 3, 16, 32))
+
+
+@pytest.mark.parametrize("image_size", [(32, 20), (32,), (32, 16, 16), (0, 16)])
+def test_bad_height_width_raises(image_size: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="image_size"):
+        iresnet18(width=0.125, image_size=image_size)
+
+
+def test_resnet50_reid_non_square_input() -> None:
+    torch.manual_seed(0)
+    model = resnet50_reid(embedding_size=16, image_size=(64, 32)).eval()
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 64, 32)).shape == (2, 16)
+    with pytest.raises(ValueError, match="image_size"):
+        resnet50_reid(image_size=(64, 32, 3))
+
+
 def test_wrong_input_size_raises() -> None:
     model = iresnet18(width=0.125, image_size=32, embedding_size=8)
     with pytest.raises(ValueError, match="32x32"):

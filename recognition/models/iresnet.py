@@ -8,7 +8,7 @@ with `load_state_dict(strict=True)` at `width=1.0`:
         block: bn1 - conv1 - bn2 - prelu - conv2(stride) - bn3, + downsample(x)
     bn2 - flatten - dropout - fc - features  features: BatchNorm1d, scale frozen at 1
 
-The spatial map after layer4 is image_size / 16 on each side (7x7 for 112x112), and it is
+The spatial map after layer4 is (H / 16, W / 16) of the input (7x7 for 112x112), and it is
 flattened into the fc rather than pooled: the position of a feature on an aligned face
 carries identity information that global pooling would throw away.
 """
@@ -77,7 +77,7 @@ class IBasicBlock(nn.Module):
 class IResNet(nn.Module):
     """IResNet trunk plus the flatten-fc-BN embedding layer.
 
-    Takes images (B, 3, image_size, image_size), normalised, and returns embeddings
+    Takes images (B, 3, H, W) at `image_size`, normalised, and returns embeddings
     (B, embedding_size), not L2-normalised (the margin head normalises).
 
     Args:
@@ -86,7 +86,8 @@ class IResNet(nn.Module):
         width: multiplies every channel count; 1.0 gives the published shapes, small
             values (0.125, 0.25) give models that train on a CPU.
         dropout: dropout probability on the flattened map before the fc.
-        image_size: side of the square input; a multiple of 16 (four stride-2 stages).
+        image_size: side of a square input or its (H, W); each a multiple of 16 (four
+            stride-2 stages). The fc's input size depends on it.
         zero_init_residual: start every block's residual branch at zero (its last
             BatchNorm's scale is set to 0), so each block begins as the identity.
     """
@@ -98,7 +99,7 @@ class IResNet(nn.Module):
         embedding_size: int = 512,
         width: float = 1.0,
         dropout: float = 0.0,
-        image_size: int = 112,
+        image_size: int | tuple[int, int] = 112,
         zero_init_residual: bool = False,
     ) -> None:
         super().__init__()
@@ -110,13 +111,14 @@ class IResNet(nn.Module):
             raise ValueError(f"width: must be positive, got {width}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout: must be in [0, 1), got {dropout}")
-        if image_size < 16 or image_size % 16 != 0:
+        sides = [image_size] * 2 if isinstance(image_size, int) else list(image_size)
+        if len(sides) != 2 or any(not isinstance(s, int) or s < 16 or s % 16 for s in sides):
             raise ValueError(
-                f"image_size: IResNet needs a multiple of 16 (four stride-2 stages), "
-                f"got {image_size}; 112 is the usual face crop"
+                f"image_size: IResNet needs a side or (H, W) that are multiples of 16 (four "
+                f"stride-2 stages), got {image_size}; 112 is the usual face crop"
             )
         self.embedding_size = embedding_size
-        self.image_size = image_size
+        self.image_size: tuple[int, int] = (sides[0], sides[1])
 
         stem_channels = scaled_channels(STEM_CHANNELS, width)
         self.conv1 = conv3x3(3, stem_channels)
@@ -133,10 +135,10 @@ class IResNet(nn.Module):
             in_channels = out_channels
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
 
-        map_side = image_size // 16
+        map_height, map_width = sides[0] // 16, sides[1] // 16
         self.bn2 = nn.BatchNorm2d(in_channels, eps=BN_EPS)
         self.dropout = nn.Dropout(p=dropout)
-        self.fc = nn.Linear(in_channels * map_side * map_side, embedding_size)
+        self.fc = nn.Linear(in_channels * map_height * map_width, embedding_size)
         self.features = nn.BatchNorm1d(embedding_size, eps=BN_EPS)
 
         self._init_weights(zero_init_residual)
@@ -163,20 +165,21 @@ class IResNet(nn.Module):
                     nn.init.zeros_(module.bn3.weight)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (B, 3, S, S) -> the last stage's map (B, C, S / 16, S / 16)."""
+        """Images (B, 3, H, W) -> the last stage's map (B, C, H / 16, W / 16)."""
         x = self.prelu(self.bn1(self.conv1(x)))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (B, 3, S, S) -> embeddings (B, embedding_size)."""
-        if x.shape[-2:] != (self.image_size, self.image_size):
+        """Images (B, 3, H, W) -> embeddings (B, embedding_size)."""
+        if x.shape[-2:] != self.image_size:
+            height, width = self.image_size
             raise ValueError(
-                f"IResNet built for {self.image_size}x{self.image_size} images, "
+                f"IResNet built for {height}x{width} (HxW) images, "
                 f"got input of shape {tuple(x.shape)}"
             )
         x = self.bn2(self.forward_features(x))
-        x = self.dropout(torch.flatten(x, 1))  # (B, C * S/16 * S/16)
+        x = self.dropout(torch.flatten(x, 1))  # (B, C * H/16 * W/16)
         return self.features(self.fc(x))
 
 
@@ -185,7 +188,7 @@ def _build(
     embedding_size: int,
     width: float,
     dropout: float,
-    image_size: int,
+    image_size: int | tuple[int, int],
     zero_init_residual: bool,
 ) -> IResNet:
     return IResNet(
@@ -203,7 +206,7 @@ def iresnet18(
     embedding_size: int = 512,
     width: float = 1.0,
     dropout: float = 0.0,
-    image_size: int = 112,
+    image_size: int | tuple[int, int] = 112,
     zero_init_residual: bool = False,
 ) -> IResNet:
     """IResNet-18 (2, 2, 2, 2 blocks); see `IResNet` for the arguments."""
@@ -215,7 +218,7 @@ def iresnet34(
     embedding_size: int = 512,
     width: float = 1.0,
     dropout: float = 0.0,
-    image_size: int = 112,
+    image_size: int | tuple[int, int] = 112,
     zero_init_residual: bool = False,
 ) -> IResNet:
     """IResNet-34 (3, 4, 6, 3 blocks); see `IResNet` for the arguments."""
@@ -227,7 +230,7 @@ def iresnet50(
     embedding_size: int = 512,
     width: float = 1.0,
     dropout: float = 0.0,
-    image_size: int = 112,
+    image_size: int | tuple[int, int] = 112,
     zero_init_residual: bool = False,
 ) -> IResNet:
     """IResNet-50 (3, 4, 14, 3 blocks); see `IResNet` for the arguments."""
@@ -239,7 +242,7 @@ def iresnet100(
     embedding_size: int = 512,
     width: float = 1.0,
     dropout: float = 0.0,
-    image_size: int = 112,
+    image_size: int | tuple[int, int] = 112,
     zero_init_residual: bool = False,
 ) -> IResNet:
     """IResNet-100 (3, 13, 30, 3 blocks); see `IResNet` for the arguments."""
@@ -251,7 +254,7 @@ def iresnet200(
     embedding_size: int = 512,
     width: float = 1.0,
     dropout: float = 0.0,
-    image_size: int = 112,
+    image_size: int | tuple[int, int] = 112,
     zero_init_residual: bool = False,
 ) -> IResNet:
     """IResNet-200 (6, 26, 60, 6 blocks); see `IResNet` for the arguments."""

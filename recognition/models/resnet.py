@@ -122,7 +122,7 @@ def resnet50_reid(
     if width != 1.0:
         raise ValueError(f"model.width: resnet50_reid supports only width 1.0, got {width}")
     sizes = (image_size,) if isinstance(image_size, int) else tuple(image_size)
-    if not sizes or any(int(s) < 1 for s in sizes):
+    if len(sizes) not in (1, 2) or any(int(s) < 1 for s in sizes):
         raise ValueError(f"image_size: must be positive, got {image_size}")
     return ReIDResNet50(
         embedding_size=embedding_size, dropout=dropout, pretrained_path=pretrained_path
