@@ -50,7 +50,7 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -477,9 +477,15 @@ def _is_row_state(value: Any, param: Tensor) -> bool:
 
 
 def export_backbone(
-    path: Path, backbone: torch.nn.Module, model_cfg: dict[str, Any], image_size: int
+    path: Path,
+    backbone: torch.nn.Module,
+    model_cfg: dict[str, Any],
+    image_size: int | Sequence[int],
 ) -> None:
-    """Write the backbone alone (fp32 weights and how to rebuild it) for evaluation."""
+    """Write the backbone alone (fp32 weights and how to rebuild it) for evaluation.
+
+    `image_size` (one side, or (H, W)) is stored as an int or a [H, W] list.
+    """
     state = {
         k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
         for k, v in backbone.state_dict().items()
@@ -488,17 +494,20 @@ def export_backbone(
         {
             "format": BACKBONE_FORMAT,
             "model": model_cfg,
-            "image_size": image_size,
+            "image_size": image_size if isinstance(image_size, int) else list(image_size),
             "state_dict": state,
         },
         path,
     )
 
 
-def load_backbone_file(path: Path) -> tuple[dict[str, Any], int, dict[str, torch.Tensor]]:
+def load_backbone_file(
+    path: Path,
+) -> tuple[dict[str, Any], int | tuple[int, int], dict[str, torch.Tensor]]:
     """Read a backbone export (a file) or a training checkpoint (a DCP directory).
 
-    Returns (model config dict, input image size, backbone state dict). From a training
+    Returns (model config dict, input image size, backbone state dict); the size is an int
+    (a square side, as every export before [H, W] sizes holds) or (H, W). From a training
     checkpoint the weights are fp32: the O2 masters where the run kept any.
     """
     if path.is_dir():
@@ -514,11 +523,20 @@ def load_backbone_file(path: Path) -> tuple[dict[str, Any], int, dict[str, torch
                 state[key.removeprefix("precision/masters/0.")] = value
         state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
         cfg = meta["config"]
-        return cfg["model"], int(cfg["data"]["image_size"]), state
+        return cfg["model"], _stored_image_size(cfg["data"]["image_size"], path), state
     data = load_file(path)
     if data.get("format") == BACKBONE_FORMAT:
-        return data["model"], int(data["image_size"]), data["state_dict"]
+        return data["model"], _stored_image_size(data["image_size"], path), data["state_dict"]
     raise ValueError(f"checkpoint {path}: neither a training checkpoint nor a backbone export")
+
+
+def _stored_image_size(value: Any, path: Path) -> int | tuple[int, int]:
+    """An image size read from a checkpoint: an int stays an int, [H, W] becomes (H, W)."""
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return int(value[0]), int(value[1])
+    if isinstance(value, (list, tuple)):
+        raise ValueError(f"checkpoint {path}: image_size {value!r} is neither a side nor [H, W]")
+    return int(value)
 
 
 # ---------------------------------------------------------------------- helpers

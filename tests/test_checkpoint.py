@@ -216,3 +216,20 @@ def test_backbone_from_a_training_checkpoint_prefers_fp32_masters(tmp_path):
     assert weights["1.weight"].dtype == torch.float32
     assert torch.equal(weights["1.weight"], masters["1.weight"])  # not the bf16 weight
     assert weights.keys() == parts[0].state_dict().keys()
+
+
+@pytest.mark.parametrize(
+    "stored, loaded", [(112, 112), ((256, 128), (256, 128)), ([64, 32], (64, 32))]
+)
+def test_backbone_export_keeps_its_image_size(tmp_path, stored, loaded):
+    # An int (every export before [H, W] sizes) loads as an int; [H, W] as (H, W).
+    ckpt.export_backbone(tmp_path / "b.pt", nn.Linear(2, 2), {"backbone": "x"}, stored)
+    _, image_size, _ = ckpt.load_backbone_file(tmp_path / "b.pt")
+    assert image_size == loaded and type(image_size) is type(loaded)
+
+
+def test_training_checkpoint_gives_height_width(tmp_path):
+    state = {"backbone": nn.Linear(2, 2).state_dict()}
+    state["meta"] = {"config": {"model": {"backbone": "x"}, "data": {"image_size": [64, 32]}}}
+    path = ckpt.save_checkpoint(tmp_path, 1, state, keep=1)
+    assert ckpt.load_backbone_file(path)[1] == (64, 32)
