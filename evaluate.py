@@ -21,7 +21,7 @@ import logging
 import sys
 from pathlib import Path
 
-from recognition.config import ConfigError, EvalTarget, load_config
+from recognition.config import ConfigError, EvalTarget, load_config, parse_image_size
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -69,7 +69,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="EMB.npz",
         help="write the embeddings (and image paths) of every image evaluated",
     )
-    parser.add_argument("--image-size", type=int, help="input size (default: the checkpoint's)")
+    parser.add_argument(
+        "--image-size",
+        metavar="N|HxW",
+        help="input size, a square side or HxW such as 256x128 (default: the checkpoint's)",
+    )
     parser.add_argument(
         "--crop",
         type=int,
@@ -96,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     from recognition.evaluation import run
 
     try:
+        image_size_arg = None
+        if args.image_size is not None:
+            image_size_arg = parse_image_size(args.image_size, "--image-size")
         if args.embeddings is not None:
             results, is_reid = _from_embeddings(args, run), args.reid is not None
         else:
@@ -119,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 "device": device,
                 "num_workers": args.workers,
             }
-            image_size = args.image_size or image_size
+            image_size = image_size_arg or image_size
             is_reid = args.reid is not None
             if is_reid:
                 results = {

@@ -32,6 +32,7 @@ import torch
 from PIL import Image
 
 from recognition.config import load_config
+from recognition.data.source import image_size_pair
 from recognition.evaluation.embeddings import PathDataset, extract_embeddings
 from recognition.models import build_backbone
 
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     backbone_name = args.backbone or cfg.model.backbone
     width = args.width if args.width is not None else cfg.model.width
     size = args.image_size or cfg.data.image_size
+    input_height, input_width = image_size_pair(size)
     torch.manual_seed(0)
     model = build_backbone(
         backbone_name,
@@ -111,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     ).eval()
     num_params = sum(p.numel() for p in model.parameters())
     print(
-        f"{backbone_name} width {width:g}, {size}x{size} input, embedding "
+        f"{backbone_name} width {width:g}, {input_height}x{input_width} input, embedding "
         f"{cfg.model.embedding_size}, {num_params / 1e6:.2f}M parameters; CPU, "
         f"{args.threads} thread(s), torch {torch.__version__}"
     )
 
     rows = []
     for batch_size in args.batch_sizes:
-        x = torch.randn(batch_size, 3, size, size)
+        x = torch.randn(batch_size, 3, input_height, input_width)
         for flip in (False, True):
             rate = time_model(model, x, flip, args.repeats)
             rows.append(

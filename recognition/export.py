@@ -2,7 +2,8 @@
 
   python -m recognition.export --checkpoint runs/x/backbone.pt --onnx model.onnx
 
-The graph takes ``images`` (B, 3, S, S) float32, normalised like training inputs
+The graph takes ``images`` (B, 3, H, W) float32 at the checkpoint's input size (or
+``--image-size N`` / ``HxW``), normalised like training inputs
 (x / 127.5 - 1), and returns ``embeddings`` (B, D), not L2-normalised (normalise, and add
 the mirrored image's embedding if wanted, in the application). The batch dimension is
 dynamic. Needs the ``onnx`` and ``onnxscript`` packages (torch's exporter); with
@@ -22,19 +23,25 @@ import numpy as np
 import torch
 from torch import nn
 
+from recognition.data.source import image_size_pair
+
 log = logging.getLogger(__name__)
 
 DEFAULT_OPSET = 18
 
 
 def export_onnx(
-    backbone: nn.Module, path: str | os.PathLike, image_size: int, opset: int = DEFAULT_OPSET
+    backbone: nn.Module,
+    path: str | os.PathLike,
+    image_size: int | tuple[int, int],
+    opset: int = DEFAULT_OPSET,
 ) -> Path:
     """Write ``backbone`` (put in eval mode, on the CPU, fp32) as an ONNX model to ``path``.
 
-    The input is ``images`` (batch, 3, image_size, image_size) with a dynamic batch, the
-    output ``embeddings`` (batch, D). The file is replaced atomically. Returns the path.
-    Raises RuntimeError saying what to install when the exporter's packages are missing.
+    The input is ``images`` (batch, 3, H, W) with ``image_size`` = (H, W) or a square side
+    and a dynamic batch, the output ``embeddings`` (batch, D). The file is replaced
+    atomically. Returns the path. Raises RuntimeError saying what to install when the
+    exporter's packages are missing.
     """
     for package in ("onnx", "onnxscript"):
         try:
@@ -45,7 +52,7 @@ def export_onnx(
                 "onnxruntime"
             ) from exc
     model = backbone.float().cpu().eval()
-    example = torch.randn(2, 3, image_size, image_size)
+    example = torch.randn(2, 3, *image_size_pair(image_size))
     batch = torch.export.Dim("batch", min=1, max=65536)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +81,10 @@ def export_onnx(
 
 
 def check_onnx(
-    path: str | os.PathLike, backbone: nn.Module, image_size: int, batch_size: int = 3
+    path: str | os.PathLike,
+    backbone: nn.Module,
+    image_size: int | tuple[int, int],
+    batch_size: int = 3,
 ) -> float:
     """Largest absolute difference between ONNX Runtime (CPU) and PyTorch on a random batch.
 
@@ -83,7 +93,8 @@ def check_onnx(
     import onnxruntime
 
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    images = torch.randn(batch_size, 3, image_size, image_size, generator=torch.Generator())
+    height, width = image_size_pair(image_size)
+    images = torch.randn(batch_size, 3, height, width, generator=torch.Generator())
     (onnx_out,) = session.run(["embeddings"], {"images": images.numpy()})
     with torch.no_grad():
         torch_out = backbone.float().cpu().eval()(images).numpy()
@@ -98,20 +109,29 @@ def main(argv: list[str] | None = None) -> int:
         "--checkpoint", type=Path, required=True, help="backbone.pt or a checkpoint"
     )
     parser.add_argument("--onnx", type=Path, required=True, help="the ONNX file to write")
-    parser.add_argument("--image-size", type=int, help="input size (default: the checkpoint's)")
+    parser.add_argument(
+        "--image-size",
+        metavar="N|HxW",
+        help="input size, a square side or HxW such as 256x128 (default: the checkpoint's)",
+    )
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET)
     parser.add_argument(
         "--no-check", action="store_true", help="skip the onnxruntime comparison with PyTorch"
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from recognition.config import parse_image_size
     from recognition.evaluation.run import load_backbone
 
     try:
+        image_size_arg = None
+        if args.image_size is not None:
+            image_size_arg = parse_image_size(args.image_size, "--image-size")
         backbone, image_size = load_backbone(args.checkpoint, torch.device("cpu"))
-        image_size = args.image_size or image_size
+        image_size = image_size_arg or image_size
         export_onnx(backbone, args.onnx, image_size, opset=args.opset)
-        log.info("wrote %s (input images: batch x 3 x %d x %d)", args.onnx, image_size, image_size)
+        height, width = image_size_pair(image_size)
+        log.info("wrote %s (input images: batch x 3 x %d x %d)", args.onnx, height, width)
         if not args.no_check:
             try:
                 diff = check_onnx(args.onnx, backbone, image_size)

@@ -206,3 +206,29 @@ def test_path_dataset_crops_the_centre_before_resizing(tmp_path):
     torch.testing.assert_close(item, expected, rtol=0, atol=0)
     uncropped = PathDataset(["a.png"], size=16, root=tmp_path)[0]
     assert not torch.equal(item, uncropped)
+
+
+def test_reid_at_the_height_width_of_the_export(tmp_path, capsys):
+    from recognition.data.transforms import to_input_tensor
+
+    torch.manual_seed(0)
+    model = build_backbone("iresnet18", embedding_size=8, width=0.125, image_size=(32, 16))
+    ckpt.export_backbone(tmp_path / "backbone.pt", model, MODEL, [32, 16])
+    root = market(tmp_path / "market")
+    emb = tmp_path / "e.npz"
+    argv = ["--checkpoint", str(tmp_path / "backbone.pt"), "--reid", str(root), "--workers", "0"]
+    # The 48x24 crops are resized to 32x16 (the IResNet refuses any other size).
+    assert evaluate.main(argv + ["--no-flip", "--export-embeddings", str(emb)]) == 0
+    with np.load(emb) as f:
+        paths, embeddings = f["paths"].tolist(), f["embeddings"]
+    name = "query/0001_c1s1_000001_00.jpg"
+    x = to_input_tensor(Image.open(root / name).convert("RGB"), (32, 16))
+    with torch.no_grad():
+        e = model.eval()(x[None])[0].double()
+    np.testing.assert_allclose(embeddings[paths.index(name)], (e / e.norm()).numpy(), atol=1e-5)
+
+    # --image-size takes N or HxW; a square size does not fit this backbone.
+    assert evaluate.main(argv + ["--image-size", "32x16"]) == 0
+    assert evaluate.main(argv + ["--image-size", "32"]) == 1
+    assert evaluate.main(argv + ["--image-size", "big"]) == 1
+    assert "--image-size: expected N or HxW" in capsys.readouterr().err

@@ -46,6 +46,21 @@ def test_onnx_export_matches_pytorch(tmp_path, capsys):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_onnx_export_at_height_width(tmp_path):
+    torch.manual_seed(0)
+    model_cfg = {"backbone": "iresnet18", "embedding_size": 8, "width": 0.125, "dropout": 0.0}
+    model = build_backbone("iresnet18", embedding_size=8, width=0.125, image_size=(32, 16))
+    ckpt.export_backbone(tmp_path / "backbone.pt", model, model_cfg, (32, 16))
+    out = tmp_path / "model.onnx"
+    assert main(["--checkpoint", str(tmp_path / "backbone.pt"), "--onnx", str(out)]) == 0
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].shape[1:] == [3, 32, 16]
+    images = torch.randn(3, 3, 32, 16)
+    (got,) = session.run(["embeddings"], {"images": images.numpy()})
+    with torch.no_grad():
+        np.testing.assert_allclose(got, model.eval()(images).numpy(), atol=1e-4, rtol=0)
+
+
 def test_missing_checkpoint_is_named(tmp_path, capsys):
     assert (
         main(["--checkpoint", str(tmp_path / "nope.pt"), "--onnx", str(tmp_path / "m.onnx")]) == 1

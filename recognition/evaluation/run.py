@@ -43,10 +43,13 @@ from recognition.models import build_backbone
 log = logging.getLogger(__name__)
 
 
-def load_backbone(path: str | os.PathLike, device: torch.device) -> tuple[nn.Module, int]:
+def load_backbone(
+    path: str | os.PathLike, device: torch.device
+) -> tuple[nn.Module, int | tuple[int, int]]:
     """Rebuild a backbone from a backbone export or a training checkpoint.
 
-    Returns the model in eval mode on `device` and the input size it was trained at.
+    Returns the model in eval mode on `device` and the input size it was trained at (a
+    square side or (H, W)).
     """
     model_cfg, image_size, state = load_backbone_file(Path(path))
     backbone = build_backbone(
@@ -128,7 +131,7 @@ def verify_consecutive(
 def evaluate_target(
     backbone: nn.Module,
     target: EvalTarget,
-    image_size: int,
+    image_size: int | tuple[int, int],
     *,
     batch_size: int = 128,
     flip: bool = True,
@@ -172,7 +175,7 @@ def evaluate_target(
 def evaluate_targets(
     backbone: nn.Module,
     targets: Sequence[EvalTarget],
-    image_size: int,
+    image_size: int | tuple[int, int],
     *,
     batch_size: int = 128,
     flip: bool = True,
@@ -330,7 +333,7 @@ def export_folder(
     backbone: nn.Module,
     root: Path,
     out: Path,
-    image_size: int,
+    image_size: int | tuple[int, int],
     *,
     batch_size: int = 128,
     flip: bool = True,
