@@ -20,6 +20,7 @@ from recognition.data.market_train import Market1501TrainDataset
 from recognition.data.recordio import RecordIODataset
 from recognition.data.sampler import IdentityBalancedSampler
 from recognition.engine import TrainingError, train
+from recognition.evaluation.run import load_backbone
 
 
 def jpeg(seed: int, mode: str = "RGB", size: int = 24) -> bytes:
@@ -247,6 +248,7 @@ def test_shipped_configs_load(name, backbone, margin, scale, m):
         assert cfg.head.sample_rate == (0.2 if "pfc" in name else 1.0)
     else:
         assert cfg.data.sampler == "pk" and cfg.train.batch_size % cfg.data.pk_instances == 0
+        assert cfg.data.image_size == [256, 128]  # person crops keep their 2:1 aspect ratio
 
 
 def test_market1501_config_trains_on_a_tiny_market_tree(tmp_path: Path):
@@ -256,7 +258,8 @@ def test_market1501_config_trains_on_a_tiny_market_tree(tmp_path: Path):
         [
             f"output_dir={tmp_path / 'run'}",
             f"data.root={root}",
-            "data.image_size=32",
+            # [H, W] like the config's [256, 128]: IResNet checks every batch is 32x16.
+            "data.image_size=[32, 16]",
             "data.num_workers=0",
             "model.backbone=iresnet18",
             "model.width=0.125",
@@ -270,6 +273,11 @@ def test_market1501_config_trains_on_a_tiny_market_tree(tmp_path: Path):
     run_dir = train(cfg)
     assert (run_dir / "classes.txt").read_text().split() == [f"{2 + 3 * p:04d}" for p in range(6)]
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 1
+    # The export keeps (H, W), and rebuilds a backbone that takes 32x16 images.
+    backbone, image_size = load_backbone(run_dir / "backbone.pt", torch.device("cpu"))
+    assert image_size == (32, 16)
+    with torch.no_grad():
+        assert backbone(torch.randn(2, 3, 32, 16)).shape == (2, 8)
 
     # Resuming on other data with as many classes but other names is refused, naming
     # classes.txt (person 0002 renamed 0099: the same class matrix shape, other labels).
