@@ -476,17 +476,10 @@ def train(cfg: ExperimentConfig) -> Path:
         )
         log.info("wrote %s", run_dir / "backbone.pt")
         if cfg.eval.at_end and cfg.eval.targets:
-            from recognition.evaluation.run import evaluate_targets, report
+            from recognition.evaluation.run import evaluate_config_targets, report
 
-            eval_backbone = _float_copy(backbone)
-            results = evaluate_targets(
-                eval_backbone,
-                cfg.eval.targets,
-                cfg.eval.image_size or cfg.data.image_size,
-                batch_size=cfg.eval.batch_size,
-                flip=cfg.eval.flip,
-                device=device,
-                progress=cfg.train.progress,
+            results = evaluate_config_targets(
+                cfg, _float_copy(backbone), device, progress=cfg.train.progress
             )
             report(results, json_path=run_dir / "eval.json", roc_path=run_dir / "roc.png")
     if owns_group:

@@ -12,13 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from recognition.data.insightface_bin import (
-    BinDataset,
-    UnsafePickleError,
-    center_crop,
-    load_bin,
-)
-from recognition.data.transforms import to_input_tensor
+from recognition.data.insightface_bin import BinDataset, UnsafePickleError, load_bin
+from recognition.data.transforms import center_crop, to_input_tensor
 
 
 def encoded_images(num: int, size: int = 20, fmt: str = "PNG") -> list[bytes]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import overload
 
 import numpy as np
@@ -25,13 +24,12 @@ from recognition.data.index import (
     is_image_file,
     scan_folder,
 )
-from recognition.data.source import BadImagePolicy, TrainSource, image_size_pair
+from recognition.data.source import BadImagePolicy, TrainSource
 from recognition.data.transforms import load_rgb
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageFolderDataset", "is_image_file"]
 
 # Kept for code that imported it from here.
-_image_size_pair = image_size_pair
 
 
 class _LazyStrings(Sequence[str]):
@@ -97,10 +95,7 @@ class ImageFolderDataset(TrainSource):
         on_empty_class: EmptyPolicy = "error",
         on_bad_image: BadImagePolicy = "error",
     ) -> None:
-        super().__init__(on_bad_image)
-        self.root = Path(root)
-        self.image_size = image_size_pair(image_size)
-        self.train = train
+        super().__init__(root, image_size, train=train, on_bad_image=on_bad_image)
         if index is None:
             index = scan_folder(self.root, class_names=class_names, on_empty=on_empty_class)
         self.index = index

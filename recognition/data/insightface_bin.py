@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from recognition.data.transforms import to_input_tensor, to_rgb
+from recognition.data.source import image_size_pair
+from recognition.data.transforms import center_crop, decode_rgb, to_input_tensor
 
 
 class UnsafePickleError(ValueError):
@@ -197,24 +197,10 @@ def decode_image(
     ``crop`` (pixels) takes a centre square of that side before resizing. Raises ValueError
     naming ``where`` when the bytes do not decode.
     """
-    height, width = (size, size) if isinstance(size, int) else size
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.load()
-            rgb = to_rgb(image)
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise ValueError(f"{where}: cannot decode image ({e})") from e
+    rgb = decode_rgb(data, where)
     if crop is not None:
         rgb = center_crop(rgb, crop)
-    return to_input_tensor(rgb, (height, width))
-
-
-def center_crop(image: Image.Image, side: int) -> Image.Image:
-    """The centred ``side`` x ``side`` square of ``image`` (clipped to the image)."""
-    width, height = image.size
-    side_w, side_h = min(side, width), min(side, height)
-    left, top = (width - side_w) // 2, (height - side_h) // 2
-    return image.crop((left, top, left + side_w, top + side_h))
+    return to_input_tensor(rgb, image_size_pair(size))
 
 
 class BinDataset(Dataset):

@@ -12,13 +12,12 @@ person.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from recognition.data.market1501 import DISTRACTOR_ID, JUNK_ID, list_folder
-from recognition.data.source import BadImagePolicy, TrainSource, image_size_pair
+from recognition.data.source import BadImagePolicy, TrainSource
 from recognition.data.transforms import load_rgb
 
 TRAIN_FOLDER = "bounding_box_train"
@@ -39,11 +38,8 @@ class Market1501TrainDataset(TrainSource):
         train: bool = False,
         on_bad_image: BadImagePolicy = "error",
     ) -> None:
-        super().__init__(on_bad_image)
-        self.root = Path(root)
+        super().__init__(root, image_size, train=train, on_bad_image=on_bad_image)
         self.folder = self.root / TRAIN_FOLDER
-        self.image_size = image_size_pair(image_size)
-        self.train = train
         listing = list_folder(self.folder, keep_junk=False)
         keep = listing.person_ids != DISTRACTOR_ID
         keep &= listing.person_ids != JUNK_ID

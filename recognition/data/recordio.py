@@ -39,7 +39,7 @@ from typing import BinaryIO
 import numpy as np
 from PIL import Image
 
-from recognition.data.source import BadImagePolicy, TrainSource, image_size_pair
+from recognition.data.source import BadImagePolicy, TrainSource
 from recognition.data.transforms import decode_rgb
 
 log = logging.getLogger(__name__)
@@ -310,10 +310,7 @@ class RecordIODataset(TrainSource):
         on_bad_image: BadImagePolicy = "error",
         rec_name: str = "train",
     ) -> None:
-        super().__init__(on_bad_image)
-        self.root = Path(root)
-        self.image_size = image_size_pair(image_size)
-        self.train = train
+        super().__init__(root, image_size, train=train, on_bad_image=on_bad_image)
         self.reader = RecordReader(self.root / f"{rec_name}.rec", self.root / f"{rec_name}.idx")
         self.image_keys, self.labels = _image_keys_and_labels(self.reader)
         self._num_classes = int(self.labels.max()) + 1 if len(self.labels) else 0

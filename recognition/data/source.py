@@ -27,6 +27,7 @@ import logging
 import multiprocessing
 import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -58,16 +59,25 @@ def image_size_pair(image_size: int | Sequence[int]) -> tuple[int, int]:
 class TrainSource(Dataset):
     """Base of the training sources (see the module docstring).
 
-    Subclasses set `labels`, `image_size`, `train` and implement `num_classes`,
-    `class_name`, `describe(index)` (the file or record, for messages) and
-    `decode(index)` (a PIL RGB image, or a ValueError naming the file).
+    The constructor takes the data's `root`, the input `image_size` (a side or (H, W)), whether
+    to flip at random (`train`) and the bad-image policy. Subclasses set `labels` and
+    implement `num_classes`, `class_name`, `describe(index)` (the file or record, for
+    messages) and `decode(index)` (a PIL RGB image, or a ValueError naming the file).
     """
 
     labels: np.ndarray
-    image_size: tuple[int, int]
-    train: bool = False
 
-    def __init__(self, on_bad_image: BadImagePolicy = "error") -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        image_size: int | Sequence[int],
+        *,
+        train: bool = False,
+        on_bad_image: BadImagePolicy = "error",
+    ) -> None:
+        self.root = Path(root)
+        self.image_size = image_size_pair(image_size)
+        self.train = train
         if on_bad_image not in ("error", "skip"):
             raise ValueError(f"on_bad_image must be error or skip, got {on_bad_image!r}")
         self.on_bad_image = on_bad_image

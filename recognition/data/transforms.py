@@ -89,6 +89,14 @@ def _decode(source: str | os.PathLike | io.BytesIO, name: str | os.PathLike) -> 
         raise ValueError(f"{name}: image too large to decode safely ({error})") from error
 
 
+def center_crop(image: Image.Image, side: int) -> Image.Image:
+    """The centred ``side`` x ``side`` square of ``image`` (clipped to the image)."""
+    width, height = image.size
+    side_w, side_h = min(side, width), min(side, height)
+    left, top = (width - side_w) // 2, (height - side_h) // 2
+    return image.crop((left, top, left + side_w, top + side_h))
+
+
 def resize(tensor: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """(C, h, w) image tensor resized to (C, H, W) with `size` = (H, W); unchanged if equal.
 

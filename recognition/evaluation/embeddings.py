@@ -19,9 +19,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from recognition.data.insightface_bin import center_crop
 from recognition.data.pairs import Pairs
-from recognition.data.transforms import load_rgb, to_input_tensor
+from recognition.data.source import image_size_pair
+from recognition.data.transforms import center_crop, load_rgb, to_input_tensor
 from recognition.evaluation.verification import balanced_folds, evaluate_verification
 
 
@@ -36,14 +36,13 @@ def load_image(
     250x250 photos, whose face fills the centre). Raises FileNotFoundError for a missing file
     and ValueError naming the file when it cannot be decoded (a corrupt or truncated JPEG).
     """
-    height, width = (size, size) if isinstance(size, int) else size
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"image not found: {path}")
     image = load_rgb(path)
     if crop is not None:
         image = center_crop(image, crop)
-    return to_input_tensor(image, (height, width))
+    return to_input_tensor(image, image_size_pair(size))
 
 
 class PathDataset(Dataset):

@@ -80,6 +80,31 @@ def load_target(target: EvalTarget) -> tuple[Pairs, Path]:
     return resolve_images(pairs, root), root
 
 
+def evaluate_config_targets(
+    cfg: ExperimentConfig,
+    model: nn.Module,
+    device: torch.device,
+    *,
+    progress: bool,
+    xnorm: bool = False,
+) -> dict[str, dict]:
+    """`evaluate_targets` on ``cfg.eval.targets`` with the config's evaluation settings.
+
+    `model`: a float32 backbone in eval mode (during training, a copy of the backbone, which
+    may be held in half precision and must keep its own mode). Returns {target: metrics}.
+    """
+    return evaluate_targets(
+        model,
+        cfg.eval.targets,
+        cfg.eval.image_size or cfg.data.image_size,
+        batch_size=cfg.eval.batch_size,
+        flip=cfg.eval.flip,
+        device=device,
+        progress=progress,
+        xnorm=xnorm,
+    )
+
+
 def check_targets(targets: Sequence[EvalTarget]) -> None:
     """Fail now, not hours into training, when a target's files are missing or malformed.
 
@@ -446,16 +471,7 @@ class PeriodicEvaluation:
         # Evaluation must not move the training's random streams (a DataLoader draws a seed
         # from the global generator), or a run with evaluation would train differently.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            results = evaluate_targets(
-                model,
-                cfg.eval.targets,
-                cfg.eval.image_size or cfg.data.image_size,
-                batch_size=cfg.eval.batch_size,
-                flip=cfg.eval.flip,
-                device=device,
-                progress=False,
-                xnorm=True,
-            )
+            results = evaluate_config_targets(cfg, model, device, progress=False, xnorm=True)
         values: dict[str, float] = {}
         for name, result in results.items():
             values.update(metric_values(name, result))
