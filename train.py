@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from recognition.distributed import is_collective_failure
-    from recognition.engine import TrainingError, train
+    from recognition.training import TrainingError, train
 
     try:
         train(cfg)

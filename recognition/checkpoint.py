@@ -50,14 +50,14 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.checkpoint import (
     CheckpointException,
     DefaultLoadPlanner,
@@ -70,8 +70,26 @@ from torch.distributed.checkpoint import (
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from recognition import distributed
-from recognition.heads import ShardedMarginSoftmax
-from recognition.precision import Precision
+from recognition.models import build_backbone
+from recognition.precision import master_weights
+from recognition.sharded import rows_of
+
+__all__ = [
+    "FORMAT_VERSION",
+    "atomic_save",
+    "checkpoint_entries",
+    "checkpoint_version",
+    "export_backbone",
+    "flatten_state",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_backbone",
+    "load_backbone_file",
+    "load_checkpoint",
+    "read_checkpoint",
+    "rows_of",
+    "save_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +97,10 @@ CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-"
 METADATA_FILE = ".metadata"
 BACKBONE_FORMAT = "recognition-backbone-v1"
-OPTIMIZER_STATE_RE = re.compile(r"^optimizer/state/(\d+)/(.+)$")
+# The layout of a training checkpoint. 1: written before checkpoints recorded a version
+# (no "format" entry; the head's sampling step in "progress"). 2: Stateful parts.
+FORMAT_VERSION = 2
+FORMAT_ENTRY = "format"
 
 
 # ---------------------------------------------------------------------- single files
@@ -162,32 +183,17 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def rows_of(tensor: Tensor, start: int, num_rows: int) -> Tensor:
-    """`tensor` (R, ...) marked as rows [start, start + R) of a (num_rows, ...) global tensor.
+def save_checkpoint(run_dir: Path, step: int, parts: Mapping[str, Any], keep: int) -> Path:
+    """Write `parts` as the checkpoint of `step`, atomically; delete all but the `keep` newest.
 
-    Returns a view sharing `tensor`'s storage (DCP loads into it in place) that carries the
-    fields of DCP's `CheckpointableTensor` protocol; `tensor` itself is left unmarked.
+    Collective: every rank of the default group calls it with its own `parts`, a dict of
+    name -> a `Stateful` (anything with `state_dict()` / `load_state_dict()`: a module, an
+    optimizer adapter, Precision, a scheduler), a tensor, or a picklable object (see
+    `flatten_state` for how they become entries). A "format" entry records the layout's
+    version. Returns the directory.
     """
-    if tensor.ndim < 1 or not 0 <= start <= start + tensor.shape[0] <= num_rows:
-        raise ValueError(
-            f"rows_of: rows [{start}, {start + tensor.shape[0] if tensor.ndim else '?'}) do not "
-            f"fit in {num_rows} rows"
-        )
-    view = tensor.detach()  # a new tensor object, the same storage
-    zeros = (0,) * (tensor.ndim - 1)
-    view.global_shape = (num_rows, *tensor.shape[1:])  # type: ignore[attr-defined]
-    view.global_offsets = ((start, *zeros),)  # type: ignore[attr-defined]
-    view.local_offsets = ((0, *zeros),)  # type: ignore[attr-defined]
-    view.local_sizes = (tuple(tensor.shape),)  # type: ignore[attr-defined]
-    return view
-
-
-def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    """Write `state` as the checkpoint of `step`, atomically; delete all but the `keep` newest.
-
-    Collective: every rank of the default group calls it with its own `state` (a flat dict
-    of name -> tensor, `rows_of` tensor, or picklable object). Returns the directory.
-    """
+    state = flatten_state(parts)
+    state[FORMAT_ENTRY] = {"version": FORMAT_VERSION}
     final = checkpoint_path(run_dir, step)
     tmp = final.with_name(TMP_PREFIX + final.name)
     is_main = distributed.rank() == 0
@@ -247,41 +253,172 @@ def checkpoint_entries(path: Path) -> dict[str, Any]:
         raise ValueError(f"checkpoint {path}: cannot read its metadata ({exc})") from exc
 
 
-def load_checkpoint(path: Path, state: dict[str, Any], *, collective: bool = True) -> None:
-    """Fill `state` from the checkpoint at `path`.
+def load_checkpoint(
+    path: Path,
+    parts: dict[str, Any],
+    *,
+    optional: Iterable[str] = (),
+    collective: bool = True,
+) -> set[str]:
+    """Restore `parts` (as `save_checkpoint` takes them) from the checkpoint at `path`.
 
-    `state` names the entries to read: a tensor (or `rows_of` tensor) is filled in place with
-    its values (the rows it stands for), any other value is replaced by the stored object.
+    A `Stateful` part gets `load_state_dict()` with its `state_dict()` structure, each
+    tensor filled in place (the rows it stands for, when it carries rows: this rank's shard
+    under the current world size, whatever it was at save time) and each object replaced
+    by the stored one; entries the checkpoint lacks are left out of what it receives, and
+    a part stored whole (an older layout) gets the stored object. A plain tensor in `parts`
+    is filled in place, any other plain value is replaced in `parts` by the stored object.
+
+    A part of which the checkpoint holds nothing is an error, unless named in `optional`.
     With `collective` (the default) every rank of the default group must call it; False
-    reads in this process alone. Raises ValueError naming `path` and the entry on a mismatch.
+    reads in this process alone. Returns the names of the parts found. Raises ValueError
+    naming `path` and the entry on a mismatch.
     """
     entries = checkpoint_entries(path)
-    missing = sorted(set(state) - set(entries))
-    if missing:
+    version = checkpoint_version(path, entries)
+    if version > FORMAT_VERSION:
         raise ValueError(
-            f"checkpoint {path}: no entry {missing[0]!r} ({len(missing)} missing); it was saved "
-            "by a different model or precision level"
+            f"checkpoint {path}: format version {version}, this code reads versions up to "
+            f"{FORMAT_VERSION}: update the code to resume it"
         )
-    for name, value in state.items():
-        if torch.is_tensor(value):
-            stored = entries[name]
-            shape = getattr(value, "global_shape", tuple(value.shape))
-            if not isinstance(stored, TensorStorageMetadata) or tuple(stored.size) != shape:
-                have = tuple(stored.size) if isinstance(stored, TensorStorageMetadata) else "data"
+    optional = set(optional)
+    live: dict[str, Any] = {}
+    request: dict[str, Any] = {}
+    for name, part in parts.items():
+        if not _is_stateful(part):
+            if name in entries:
+                request[name] = part if torch.is_tensor(part) else None
+            elif name not in optional:
                 raise ValueError(
-                    f"checkpoint {path}: entry {name!r} has shape {have}, expected {shape}"
+                    f"checkpoint {path}: no entry {name!r}; it was saved by a different model "
+                    "or precision level"
                 )
+            continue
+        live[name] = part.state_dict()
+        if name in entries:  # stored whole: an object, or an older layout of the part
+            request[name] = None
+            continue
+        flat: dict[str, Any] = {}
+        _flatten(name, live[name], flat)
+        found = {k: (v if torch.is_tensor(v) else None) for k, v in flat.items() if k in entries}
+        if not found and name not in optional:
+            raise ValueError(
+                f"checkpoint {path}: no entry for {name!r}; it was saved by a different model "
+                "or precision level"
+            )
+        request.update(found)
+    _check_shapes(path, entries, request)
     no_dist = not collective or distributed.world_size() == 1
     try:
         with _quiet_single_process(no_dist):
             dcp.load(
-                state,
+                request,
                 storage_reader=_SafeReader(path),
                 planner=_SafeLoadPlanner(),
                 no_dist=no_dist,
             )
     except CheckpointException as exc:
         raise _plain_error(exc, f"checkpoint {path}: cannot be read", ValueError) from None
+    loaded: set[str] = set()
+    for name, part in parts.items():
+        if name not in live:
+            if name in request:
+                parts[name] = request[name]
+                loaded.add(name)
+            continue
+        if name in request:
+            state = request[name]
+        else:
+            state = _unflatten(name, live[name], request)
+            if state is _MISSING or (isinstance(state, Mapping) and not state):
+                continue  # an optional part the checkpoint does not hold
+        try:
+            part.load_state_dict(state)
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise ValueError(f"checkpoint {path}: {name!r} cannot be restored: {exc}") from exc
+        loaded.add(name)
+    return loaded
+
+
+def checkpoint_version(path: Path, entries: Mapping[str, Any] | None = None) -> int:
+    """The layout version of the checkpoint at `path` (1 for one that records none)."""
+    entries = checkpoint_entries(path) if entries is None else entries
+    if FORMAT_ENTRY not in entries:
+        return 1
+    holder: dict[str, Any] = {FORMAT_ENTRY: None}
+    with _quiet_single_process(True):
+        dcp.load(holder, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(), no_dist=True)
+    value = holder[FORMAT_ENTRY]
+    if not isinstance(value, dict) or not isinstance(value.get("version"), int):
+        raise ValueError(f"checkpoint {path}: malformed format entry {value!r}")
+    return value["version"]
+
+
+def flatten_state(parts: Mapping[str, Any]) -> dict[str, Any]:
+    """The flat entries (name -> tensor or object) that `save_checkpoint` writes for `parts`.
+
+    A Stateful part's `state_dict()` is flattened: a dict that holds tensors becomes one
+    entry per key, "<part>/<key>" (recursively: "optimizer/state/3/momentum_buffer"), and
+    anything else (a dict without tensors, a list, a number) is one entry. A plain value
+    is one entry under its name.
+    """
+    state: dict[str, Any] = {}
+    for name, part in parts.items():
+        if _is_stateful(part):
+            _flatten(name, part.state_dict(), state)
+        else:
+            state[name] = part
+    return state
+
+
+_MISSING = object()
+
+
+def _is_stateful(value: Any) -> bool:
+    return (
+        not torch.is_tensor(value)
+        and callable(getattr(value, "state_dict", None))
+        and callable(getattr(value, "load_state_dict", None))
+    )
+
+
+def _holds_tensor(value: Mapping) -> bool:
+    return any(
+        torch.is_tensor(v) or (isinstance(v, Mapping) and _holds_tensor(v)) for v in value.values()
+    )
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    if isinstance(value, Mapping) and _holds_tensor(value):
+        for key, item in value.items():
+            _flatten(f"{prefix}/{key}", item, out)
+    else:
+        out[prefix] = value
+
+
+def _unflatten(prefix: str, template: Any, loaded: Mapping[str, Any]) -> Any:
+    """`template`'s structure (and key types) with the loaded leaves; missing leaves left out."""
+    if isinstance(template, Mapping) and _holds_tensor(template):
+        out = {}
+        for key, item in template.items():
+            value = _unflatten(f"{prefix}/{key}", item, loaded)
+            if value is not _MISSING:
+                out[key] = value
+        return out
+    return loaded.get(prefix, _MISSING)
+
+
+def _check_shapes(path: Path, entries: Mapping[str, Any], request: Mapping[str, Any]) -> None:
+    for name, value in request.items():
+        if not torch.is_tensor(value):
+            continue
+        stored = entries[name]
+        shape = getattr(value, "global_shape", tuple(value.shape))
+        if not isinstance(stored, TensorStorageMetadata) or tuple(stored.size) != tuple(shape):
+            have = tuple(stored.size) if isinstance(stored, TensorStorageMetadata) else "data"
+            raise ValueError(
+                f"checkpoint {path}: entry {name!r} has shape {have}, expected {tuple(shape)}"
+            )
 
 
 def read_checkpoint(path: Path, prefixes: Iterable[str] = ("",)) -> dict[str, Any]:
@@ -294,7 +431,7 @@ def read_checkpoint(path: Path, prefixes: Iterable[str] = ("",)) -> dict[str, An
     prefixes = tuple(prefixes)
     state: dict[str, Any] = {}
     for name, stored in checkpoint_entries(path).items():
-        if not name.startswith(prefixes):
+        if not name.startswith(prefixes) or name == FORMAT_ENTRY:
             continue
         if isinstance(stored, TensorStorageMetadata):
             state[name] = torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
@@ -302,6 +439,28 @@ def read_checkpoint(path: Path, prefixes: Iterable[str] = ("",)) -> dict[str, An
             state[name] = None
     load_checkpoint(path, state, collective=False)
     return state
+
+
+def read_part(path: Path, name: str) -> Any:
+    """Part `name` of the checkpoint as nested dicts (string keys), read whole in this process.
+
+    The inverse of the flattening of `flatten_state`: entries "<name>/a/b" come back as
+    {"a": {"b": ...}}; a part stored as one entry comes back as that object; None when the
+    checkpoint holds nothing of it.
+    """
+    entries = read_checkpoint(path, (name,))
+    if name in entries:
+        return entries[name]
+    nested: dict[str, Any] = {}
+    for key, value in entries.items():
+        if not key.startswith(name + "/"):
+            continue
+        *outer, last = key[len(name) + 1 :].split("/")
+        level = nested
+        for part in outer:
+            level = level.setdefault(part, {})
+        level[last] = value
+    return nested or None
 
 
 class _SafeReader(FileSystemReader):
@@ -357,122 +516,6 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
 
-# ---------------------------------------------------------------------- the training state
-
-
-def training_state(
-    backbone: nn.Module,
-    head: ShardedMarginSoftmax,
-    optimizer: torch.optim.Optimizer,
-    precision: Precision,
-) -> dict[str, Any]:
-    """The model side of a checkpoint as flat DCP entries (see the module docstring).
-
-    `backbone` is the bare module (not its DDP wrapper). Tensors are live views, the head's
-    rows and their optimizer and master rows marked with `rows_of`; optimizer state is what
-    exists now (none before the first step). Add the run's own objects to the returned dict.
-    """
-    head_param = _head_param(head, precision)
-    state: dict[str, Any] = {f"backbone/{k}": v for k, v in backbone.state_dict().items()}
-    for name, value in head.state_dict().items():
-        state[f"head/{name}"] = _head_rows(head, value) if name == "weight" else value
-    for key, param, master in precision.masters():
-        value = master.detach()
-        state[f"precision/masters/{key}"] = (
-            _head_rows(head, value) if param is head.weight else value
-        )
-    state["precision/scaler"] = precision.scaler.state_dict() if precision.scaler else {}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    packed = optimizer.state_dict()
-    for index, values in packed["state"].items():
-        for name, value in values.items():
-            if params[index] is head_param and _is_row_state(value, head_param):
-                value = _head_rows(head, value)
-            state[f"optimizer/state/{index}/{name}"] = value
-    state["optimizer/param_groups"] = packed["param_groups"]
-    return state
-
-
-def load_training_state(
-    path: Path,
-    backbone: nn.Module,
-    head: ShardedMarginSoftmax,
-    optimizer: torch.optim.Optimizer,
-    precision: Precision,
-    objects: Iterable[str] = (),
-) -> dict[str, Any]:
-    """Restore what `training_state` saved into the live modules, on this world size.
-
-    Collective. The backbone and the head's rows (this rank's shard under the current world
-    size, whatever it was at save time) are loaded in place, then the optimizer state and
-    the precision state (scaler, O2 masters, copied into the half model). `objects` names
-    further entries to read (those the caller added to the saved state; a name missing from
-    the checkpoint comes back as None). Returns {name: object} for them.
-    """
-    entries = checkpoint_entries(path)
-    stored = entries.get("head/weight")
-    if not isinstance(stored, TensorStorageMetadata):
-        raise ValueError(f"checkpoint {path}: no head/weight entry (not a training checkpoint)")
-    if tuple(stored.size) != (head.num_classes, head.embedding_size):
-        raise ValueError(
-            f"checkpoint {path}: its class matrix is {tuple(stored.size)}, this run's head is "
-            f"({head.num_classes}, {head.embedding_size}): different data.root or "
-            "model.embedding_size"
-        )
-    live = training_state(backbone, head, optimizer, precision)
-    state = {k: v for k, v in live.items() if not k.startswith("optimizer/state/")}
-    # The optimizer may hold no state yet (no step taken): its tensors are allocated from the
-    # checkpoint's entries, the head's at this rank's number of rows.
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    head_param = _head_param(head, precision)
-    for name, entry in entries.items():
-        match = OPTIMIZER_STATE_RE.match(name)
-        if match is None:
-            continue
-        index = int(match.group(1))
-        if index >= len(params):
-            raise ValueError(
-                f"checkpoint {path}: optimizer state for parameter {index}, the optimizer has "
-                f"{len(params)}: a different model"
-            )
-        if not isinstance(entry, TensorStorageMetadata):
-            state[name] = None
-            continue
-        param = params[index]
-        value = torch.empty(tuple(entry.size), dtype=entry.properties.dtype, device=param.device)
-        if param is head_param and tuple(entry.size) == (head.num_classes, *param.shape[1:]):
-            value = _head_rows(head, torch.empty_like(param, dtype=entry.properties.dtype))
-        state[name] = value
-    if precision.level != "O2":
-        state = {k: v for k, v in state.items() if not k.startswith("precision/masters/")}
-    for name in objects:
-        if name in entries:
-            state[name] = None
-    load_checkpoint(path, state)
-
-    packed: dict[int, dict[str, Any]] = {}
-    for name, value in state.items():
-        if match := OPTIMIZER_STATE_RE.match(name):
-            packed.setdefault(int(match.group(1)), {})[match.group(2)] = value
-    optimizer.load_state_dict({"state": packed, "param_groups": state["optimizer/param_groups"]})
-    masters = {key: master for key, _, master in precision.masters()}  # filled in place
-    precision.load_state_dict({"scaler": state["precision/scaler"], "masters": masters})
-    return {name: state.get(name) for name in objects}
-
-
-def _head_param(head: ShardedMarginSoftmax, precision: Precision) -> Tensor:
-    """The tensor the optimizer steps for the head's weight: its O2 master, or the weight."""
-    return next((m for _, p, m in precision.masters() if p is head.weight), head.weight)
-
-
-def _head_rows(head: ShardedMarginSoftmax, tensor: Tensor) -> Tensor:
-    return rows_of(tensor, head.class_start, head.num_classes)
-
-
-def _is_row_state(value: Any, param: Tensor) -> bool:
-    return torch.is_tensor(value) and value.shape == param.shape
-
-
 # ---------------------------------------------------------------------- the backbone alone
 
 
@@ -508,19 +551,18 @@ def load_backbone_file(
 
     Returns (model config dict, input image size, backbone state dict); the size is an int
     (a square side, as every export before [H, W] sizes holds) or (H, W). From a training
-    checkpoint the weights are fp32: the O2 masters where the run kept any.
+    checkpoint the weights are fp32: the O2 masters where the run kept any (the backbone is
+    the first module the training prepares).
     """
     if path.is_dir():
-        data = read_checkpoint(path, ("backbone/", "precision/masters/0.", "meta"))
-        meta = data.get("meta")
+        meta = read_part(path, "meta")
         if not isinstance(meta, dict) or "config" not in meta:
             raise ValueError(f"checkpoint {path}: no meta entry with the run's config")
-        state = {
-            k.removeprefix("backbone/"): v for k, v in data.items() if k.startswith("backbone/")
-        }
-        for key, value in data.items():
-            if key.startswith("precision/masters/0."):
-                state[key.removeprefix("precision/masters/0.")] = value
+        state = read_part(path, "backbone")
+        state = state if isinstance(state, dict) else {}
+        precision_state = read_part(path, "precision")
+        if isinstance(precision_state, dict):
+            state.update(master_weights(precision_state, 0))
         state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
         cfg = meta["config"]
         return cfg["model"], _stored_image_size(cfg["data"]["image_size"], path), state
@@ -528,6 +570,29 @@ def load_backbone_file(
     if data.get("format") == BACKBONE_FORMAT:
         return data["model"], _stored_image_size(data["image_size"], path), data["state_dict"]
     raise ValueError(f"checkpoint {path}: neither a training checkpoint nor a backbone export")
+
+
+def load_backbone(
+    path: str | os.PathLike, device: torch.device
+) -> tuple[nn.Module, int | tuple[int, int]]:
+    """Rebuild a backbone from a backbone export or a training checkpoint.
+
+    Returns the model in eval mode on `device` and the input size it was trained at (a
+    square side or (H, W)).
+    """
+    model_cfg, image_size, state = load_backbone_file(Path(path))
+    backbone = build_backbone(
+        model_cfg["backbone"],
+        embedding_size=model_cfg["embedding_size"],
+        width=model_cfg.get("width", 1.0),
+        dropout=model_cfg.get("dropout", 0.0),
+        image_size=image_size,
+    )
+    try:
+        backbone.load_state_dict(state)
+    except RuntimeError as exc:
+        raise ValueError(f"checkpoint {path}: weights do not fit the backbone: {exc}") from exc
+    return backbone.float().eval().to(device), image_size
 
 
 def _stored_image_size(value: Any, path: Path) -> int | tuple[int, int]:

@@ -15,11 +15,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import types
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
+
+from recognition.data.synthetic import SyntheticSpec
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -31,36 +34,26 @@ class ConfigError(ValueError):
 
 
 @dataclass
-class SyntheticConfig:
-    """The built-in synthetic dataset, generated under `root` on first use when enabled."""
+class SyntheticConfig(SyntheticSpec):
+    """The built-in synthetic dataset (`data.synthetic`): the generator's `SyntheticSpec`
+    fields, and whether and where to generate it on first use."""
 
     enabled: bool = False
     root: str = "data/synthetic"
-    num_identities: int = 1000
-    images_per_identity: int = 16
-    num_val_identities: int = 200
-    val_images_per_identity: int = 10
-    num_folds: int = 10
-    pairs_per_fold: int = 150
-    image_size: int = 112
-    seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in (
-            "num_identities",
-            "images_per_identity",
-            "num_val_identities",
-            "num_folds",
-            "pairs_per_fold",
-            "image_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"data.synthetic.{name}: must be at least 1")
-        if self.val_images_per_identity < 2:
-            raise ConfigError(
-                "data.synthetic.val_images_per_identity: must be at least 2 "
-                "(a same-identity pair needs two images)"
-            )
+        # The spec's own checks, reported under the config's dotted key.
+        try:
+            super().__post_init__()
+        except ValueError as exc:
+            message = str(exc).replace("SyntheticSpec.", "data.synthetic.", 1)
+            raise ConfigError(message) from None
+
+    def spec(self) -> SyntheticSpec:
+        """The generator's spec: these fields, less `enabled` and `root`."""
+        return SyntheticSpec(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(SyntheticSpec)}
+        )
 
 
 @dataclass
@@ -101,6 +94,11 @@ class DataConfig:
     """Feed the backbone NHWC (channels-last) tensors and convert its weights: faster convs
     on GPUs with tensor cores, especially under O1/O2."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+    @property
+    def image_hw(self) -> tuple[int, int]:
+        """`image_size` as (H, W): the one place a side becomes a pair."""
+        return image_size_pair(self.image_size)
 
     def __post_init__(self) -> None:
         self.image_size = check_image_size(self.image_size, "data.image_size")
@@ -153,7 +151,9 @@ class HeadConfig:
     sample_rate: float = 1.0
     """Fraction of the negative classes each rank samples per step (Partial FC)."""
     chunk_size: int | None = None
-    """Classes per logit chunk; None lets the head decide."""
+    """Classes per logit chunk, recomputed in backward (memory O(batch x chunk_size));
+    None keeps the logits of the whole shard for backward (faster, memory O(batch x
+    classes per rank)). None is never replaced by a size chosen automatically."""
 
     def __post_init__(self) -> None:
         if self.margin not in MARGIN_NAMES:
@@ -376,6 +376,19 @@ class EvalConfig:
 MIN_IMAGE_SIDE = 16
 
 
+def image_size_pair(image_size: int | Sequence[int]) -> tuple[int, int]:
+    """`image_size` (an int, or (H, W)) as a (H, W) tuple of positive ints."""
+    if isinstance(image_size, int):
+        size: tuple = (image_size, image_size)
+    elif isinstance(image_size, Sequence):
+        size = tuple(image_size)
+    else:
+        size = ()
+    if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size):
+        raise ValueError(f"image_size must be a positive int or (H, W), got {image_size!r}")
+    return size  # type: ignore[return-value]
+
+
 def check_image_size(value: Any, key: str) -> int | list[int]:
     """`value` checked as an input size: one side (an int) or [H, W] (a list, a tuple
     becomes a list so that the saved config.yaml stays plain YAML).
@@ -449,6 +462,11 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def eval_image_hw(self) -> tuple[int, int]:
+        """The evaluation input size as (H, W): eval.image_size, else data.image_size."""
+        return image_size_pair(self.eval.image_size or self.data.image_size)
 
     @property
     def run_dir(self) -> Path:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -192,49 +191,19 @@ def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None 
     return holder[0]
 
 
-def global_grad_norm(
-    params: Iterable[torch.Tensor],
-    sharded: Iterable[torch.Tensor] = (),
-    group: dist.ProcessGroup | None = None,
-) -> float:
-    """L2 norm of the gradients of `params` over the whole model, whichever rank holds them.
+def all_reduce_tensor_sum(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """The element-wise sum of `tensor` over the ranks of `group` (a new tensor on its device).
 
-    `params` are the tensors an optimizer steps; those also in `sharded` hold different rows
-    on every rank (the head's class shard, its O2 master), the others are replicated and
-    already equal on every rank (DDP averaged them). The squared norm of the sharded ones is
-    summed over the ranks of `group`, the replicated ones count once, so every rank gets the
-    same norm: clipping by a local norm would scale each rank's replica differently and the
-    replicas would drift apart. inf/NaN anywhere gives inf/NaN on every rank. Squares are
-    summed in float32 at least (float64 for float64 gradients) so half gradients cannot
-    overflow. Returns 0.0 when no parameter has a gradient.
+    Runs on the backend's device (CUDA for NCCL, CPU for gloo) and returns on `tensor`'s; with
+    a world of one it returns `tensor` itself.
     """
-    sharded_ids = {id(t) for t in sharded}
-    local: list[torch.Tensor] = []
-    replicated: list[torch.Tensor] = []
-    for param in params:
-        if param.grad is not None:
-            (local if id(param) in sharded_ids else replicated).append(param.grad)
-    device = (local + replicated)[0].device if local or replicated else torch.device("cpu")
-    local_square = _squared_norm(local, device)
-    if world_size(group) > 1:
-        local_square = local_square.to(_collective_device(group))
-        dist.all_reduce(local_square, op=dist.ReduceOp.SUM, group=group)
-    total = _squared_norm(replicated, device) + local_square.to(device)
-    return float(total.sqrt())
-
-
-def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squares of every element of `grads`: a float64 scalar on `device`."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    norms = [
-        torch.linalg.vector_norm(g, dtype=g.dtype if g.dtype in _WIDE else torch.float32)
-        for g in grads
-    ]
-    return torch.stack([n.to(device, torch.float64) for n in norms]).square().sum()
-
-
-_WIDE = (torch.float32, torch.float64)
+    if world_size(group) == 1:
+        return tensor
+    summed = tensor.to(_collective_device(group), copy=True)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+    return summed.to(tensor.device)
 
 
 def is_collective_failure(exc: BaseException) -> bool:

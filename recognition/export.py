@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from recognition.data.source import image_size_pair
+from recognition.config import image_size_pair
 
 log = logging.getLogger(__name__)
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from recognition.config import OptimConfig
+from recognition.sharded import mark_like
 
 
 def param_groups(modules: Iterable[nn.Module], weight_decay: float) -> list[dict]:
@@ -40,6 +42,78 @@ def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimiz
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
     raise ValueError(f"optim.name: unknown optimizer {cfg.name!r}")
+
+
+class OptimizerState:
+    """An optimizer as a `Stateful` part of a checkpoint.
+
+    `state_dict()` is the optimizer's own (state by parameter index, param_groups), with
+    the state tensors of a row-sharded parameter (the head's momentum) marked as its rows,
+    and the lazily created state made first (`init_state`), so that a checkpoint's state
+    can be loaded in place into an optimizer that has not stepped yet.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        init_state(self.optimizer)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        packed = self.optimizer.state_dict()
+        state = {
+            index: {
+                name: mark_like(value, params[index]) if torch.is_tensor(value) else value
+                for name, value in values.items()
+            }
+            for index, values in packed["state"].items()
+        }
+        return {"state": state, "param_groups": packed["param_groups"]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        packed = {int(index): values for index, values in state.get("state", {}).items()}
+        if any(index >= len(params) for index in packed):
+            raise ValueError(
+                f"optimizer state for parameter {max(packed)}, the optimizer has "
+                f"{len(params)}: a different model"
+            )
+        self.optimizer.load_state_dict({"state": packed, "param_groups": state["param_groups"]})
+
+
+@torch.no_grad()
+def init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's per-parameter state now rather than at its first step.
+
+    One step at learning rate 0 on zero gradients, then every state tensor zeroed: for SGD
+    (no dampening), AdamW and Adam, zeroed state is exactly the state of an optimizer that
+    has not stepped (a zero momentum buffer, zero moments, step count 0), so the next real
+    step is the same. Parameters that already have state are left alone.
+    """
+    params = [
+        p
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.requires_grad and not optimizer.state.get(p)
+    ]
+    if not params:
+        return
+    grads = [p.grad for p in params]
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+    for p in params:
+        for value in optimizer.state[p].values():
+            if torch.is_tensor(value):
+                value.zero_()
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, cfg: OptimConfig) -> float:

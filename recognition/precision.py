@@ -45,22 +45,35 @@ from torch.distributed import ProcessGroup
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
+from recognition.sharded import copy_placement, mark_like
+
 LEVELS = ("O0", "O1", "O2", "O3")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one `Precision.step()` did.
+    """What one optimizer step did.
 
-    stepped: False when the gradients held inf/NaN and the update was skipped.
+    `Precision.step()` fills the first three; the training step (`recognition.training.step`)
+    adds the loss and accuracy of its micro-batches.
+
+    stepped: False when the gradients held inf/NaN (or the loss did) and the update was
+        skipped.
     grad_norm: total L2 norm of the unscaled gradients before clipping (inf/NaN when skipped).
     scale: the loss scale after this step's update (1.0 when no scaler is used).
+    loss: mean loss over the step's micro-batches (not divided by their number).
+    finite: False when a micro-batch's loss was NaN or inf: nothing was applied.
+    accuracy: share of the global batch whose target logit was the largest (mean over
+        micro-batches), NaN when the head reports none.
     """
 
     stepped: bool
     grad_norm: float
     scale: float
+    loss: float = float("nan")
+    finite: bool = True
+    accuracy: float = float("nan")
 
 
 class Precision:
@@ -269,6 +282,12 @@ class Precision:
             self._masters_to_model()
         return StepResult(stepped=stepped, grad_norm=grad_norm, scale=scale)
 
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 when no scaler is used)."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return 1.0
+        return float(self.scaler.get_scale())
+
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Drop the gradients of the optimizer's parameters and of the prepared model."""
         optimizer.zero_grad(set_to_none=True)
@@ -278,16 +297,21 @@ class Precision:
     # ---------------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict:
-        """The loss scaler's state and (O2) the fp32 master values, keyed "<module>.<name>".
+        """The loss scaler's state and (O2) the fp32 masters, keyed "<module>.<name>".
 
         The optimizer's state_dict holds no parameter values and the half model alone would
-        lose the low bits of every weight, so a resume needs the masters from here.
+        lose the low bits of every weight, so a resume needs the masters from here. Masters
+        are live detached views (a checkpoint loads into them in place); the master of a
+        row-sharded parameter carries its rows (see `recognition.sharded`).
         """
         return {
             "level": self.level,
             "dtype": self.dtype,
             "scaler": self.scaler.state_dict() if self.scaler is not None else {},
-            "masters": {key: m.detach().clone() for key, m in self._masters.items()},
+            "masters": {
+                key: mark_like(master, self._model_params[key])
+                for key, master in self._masters.items()
+            },
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -297,14 +321,13 @@ class Precision:
         fp16 starts from `init_scale`). Under O2 the masters must match the prepared modules
         key for key; they are copied into the masters in place and then into the model.
         """
-        for key in ("scaler", "masters"):
-            if key not in state:
-                raise ValueError(f"Precision.load_state_dict: state has no {key!r} entry")
+        if "scaler" not in state:
+            raise ValueError("Precision.load_state_dict: state has no 'scaler' entry")
         if self.scaler is not None and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         if self.level != "O2":
             return
-        saved = state["masters"]
+        saved = state.get("masters", {})
         if not saved:
             raise ValueError(
                 f"Precision.load_state_dict: state saved at level {state.get('level')} holds no "
@@ -325,7 +348,8 @@ class Precision:
                         f"Precision.load_state_dict: master {key!r} has shape "
                         f"{tuple(value.shape)}, expected {tuple(master.shape)}"
                     )
-                master.copy_(value)
+                if value is not master:
+                    master.copy_(value)
         self._masters_to_model()
 
     def fp32_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
@@ -358,6 +382,13 @@ class Precision:
                 master = master_of.get(id(param))
                 if master is not None and master is not param:
                     master.copy_(state[name])
+
+    def optimizer_param(self, param: nn.Parameter) -> nn.Parameter:
+        """The tensor the optimizer steps for the prepared `param`: its O2 master, or itself."""
+        for key, model_param in self._model_params.items():
+            if model_param is param:
+                return self._masters.get(key, param)
+        raise ValueError("Precision.optimizer_param: the parameter was not prepared")
 
     def masters(self) -> Iterator[tuple[str, nn.Parameter, nn.Parameter]]:
         """(key, model parameter, fp32 master) for each prepared parameter under O2.
@@ -423,7 +454,22 @@ def _make_master(param: nn.Parameter) -> nn.Parameter:
     """The fp32 parameter the optimizer steps in place of `param` (itself if already fp32)."""
     if param.dtype == torch.float32:
         return param
-    return nn.Parameter(param.detach().to(torch.float32).clone(), requires_grad=param.requires_grad)
+    master = nn.Parameter(
+        param.detach().to(torch.float32).clone(), requires_grad=param.requires_grad
+    )
+    copy_placement(master, param)  # a master of sharded rows is sharded alike
+    return master
+
+
+def master_weights(state: dict, module_index: int) -> dict[str, Tensor]:
+    """From a saved `Precision.state_dict()`: the fp32 masters of the `module_index`-th
+    prepared module, by parameter name (empty below O2)."""
+    prefix = f"{module_index}."
+    return {
+        key.removeprefix(prefix): value
+        for key, value in (state.get("masters") or {}).items()
+        if key.startswith(prefix)
+    }
 
 
 _WIDE = (torch.float32, torch.float64)

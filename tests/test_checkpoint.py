@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from recognition import checkpoint as ckpt
+from recognition.training.state import load_training_state, training_state
 from recognition.config import OptimConfig
 from recognition.heads import ShardedMarginSoftmax, build_margin
 from recognition.optim import build_optimizer, param_groups
@@ -167,7 +168,7 @@ def test_training_state_round_trip(tmp_path, level):
     torch.manual_seed(0)
     parts = build(level)
     take_step(*parts, seed=1)
-    state = ckpt.training_state(*parts)
+    state = training_state(*parts)
     state["progress"] = {"step": 1}
     path = ckpt.save_checkpoint(tmp_path, 1, state, keep=1)
     # The class rows and their momentum are stored as one (num_classes, D) tensor each.
@@ -179,7 +180,7 @@ def test_training_state_round_trip(tmp_path, level):
 
     torch.manual_seed(1)  # other initial weights, an optimizer with no state yet
     fresh = build(level)
-    loaded = ckpt.load_training_state(path, *fresh, objects=["progress", "absent"])
+    loaded = load_training_state(path, *fresh, objects=["progress", "absent"])
     assert loaded == {"progress": {"step": 1}, "absent": None}
     for a, b in zip(parts[0].state_dict().values(), fresh[0].state_dict().values(), strict=True):
         assert torch.equal(a, b)
@@ -196,18 +197,18 @@ def test_training_state_round_trip(tmp_path, level):
 
 def test_training_state_refuses_another_class_count(tmp_path):
     parts = build("O0")
-    path = ckpt.save_checkpoint(tmp_path, 1, ckpt.training_state(*parts), keep=1)
+    path = ckpt.save_checkpoint(tmp_path, 1, training_state(*parts), keep=1)
     backbone, _, _, precision = build("O0")
     head = ShardedMarginSoftmax(9, 4, build_margin("cosface"))
     optimizer = torch.optim.SGD(list(backbone.parameters()) + list(head.parameters()), lr=0.1)
     with pytest.raises(ValueError, match=r"class matrix is \(7, 4\).*\(9, 4\)"):
-        ckpt.load_training_state(path, backbone, head, optimizer, precision)
+        load_training_state(path, backbone, head, optimizer, precision)
 
 
 def test_backbone_from_a_training_checkpoint_prefers_fp32_masters(tmp_path):
     parts = build("O2")
     take_step(*parts, seed=1)
-    state = ckpt.training_state(*parts)
+    state = training_state(*parts)
     state["meta"] = {"config": {"model": {"backbone": "x"}, "data": {"image_size": 2}}}
     path = ckpt.save_checkpoint(tmp_path, 1, state, keep=1)
     model_cfg, image_size, weights = ckpt.load_backbone_file(path)

@@ -19,7 +19,7 @@ from recognition.data.image_folder import ImageFolderDataset
 from recognition.data.market_train import Market1501TrainDataset
 from recognition.data.recordio import RecordIODataset
 from recognition.data.sampler import IdentityBalancedSampler
-from recognition.engine import TrainingError, train
+from recognition.training import TrainingError, train
 from recognition.evaluation.run import load_backbone
 
 

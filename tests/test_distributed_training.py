@@ -36,13 +36,15 @@ import torch.multiprocessing as mp
 from PIL import Image
 from torch import nn
 
+import recognition.training.build as training_build
 from recognition import checkpoint as ckpt
-from recognition import distributed, engine
+from recognition import distributed
 from recognition.config import ConfigError, OptimConfig, load_config
-from recognition.engine import train
 from recognition.heads import ShardedMarginSoftmax, build_margin
 from recognition.optim import build_optimizer, param_groups
 from recognition.precision import Precision
+from recognition.training import TrainingError, global_grad_norm, train
+from recognition.training.state import load_training_state, training_state
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_STEPS = 6
@@ -169,7 +171,7 @@ def check_resharded_state(saved: Path, resaved: Path) -> list[str]:
     """Load a 1-rank O2 checkpoint on this rank; its rows must be this shard's, exactly."""
     parts = build_o2_parts()
     backbone, head, _, precision = parts
-    ckpt.load_training_state(saved, *parts)
+    load_training_state(saved, *parts)
     whole = ckpt.read_checkpoint(saved)
     rows = slice(head.class_start, head.class_start + head.num_local)
     failures = []
@@ -181,7 +183,7 @@ def check_resharded_state(saved: Path, resaved: Path) -> list[str]:
     momentum = [
         v for k, v in whole.items() if k.startswith("optimizer/state/") and v.shape == (10, 4)
     ]
-    state = ckpt.training_state(*parts)
+    state = ckpt.flatten_state(training_state(*parts))
     local = [
         v
         for k, v in state.items()
@@ -207,14 +209,14 @@ def _rank_main(
         WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
-    engine.build_backbone = build_tiny_backbone
+    training_build.build_backbone = build_tiny_backbone
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     for overrides in jobs:
         if "model.sync_bn=true" in overrides:
             # torch's SyncBatchNorm refuses CPU tensors: the run must say so before training.
             try:
                 run(overrides)
-            except engine.TrainingError as exc:
+            except TrainingError as exc:
                 Path(out, f"sync_bn.{rank}.txt").write_text(str(exc))
             continue
         run(overrides)
@@ -231,9 +233,9 @@ def _rank_main(
     # The clipping norm: a replicated tensor counted once, a sharded one summed over ranks.
     replicated = torch.zeros(3, requires_grad=True)
     replicated.grad = torch.tensor([1.0, 2.0, 2.0])
-    shard = torch.zeros(2, requires_grad=True)
-    shard.grad = torch.full((2,), float(rank + 1))
-    reduced.append(distributed.global_grad_norm([replicated, shard], [shard]))
+    head = ShardedMarginSoftmax(2 * world_size, 1, build_margin("cosface"))  # 2 rows per rank
+    head.weight.grad = torch.full((2, 1), float(rank + 1))
+    reduced.append(global_grad_norm([replicated, head.weight], [head]))
     Path(out, f"reduced.{rank}.json").write_text(json.dumps(reduced))
     dist.barrier()
     dist.destroy_process_group()
@@ -250,7 +252,7 @@ def spawn(world_size: int, jobs: list[list[str]], out: Path, state_check: bool =
 def test_ranks_match_one_process_and_resume_on_other_world_sizes(
     image_folder, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(engine, "build_backbone", build_tiny_backbone)
+    monkeypatch.setattr(training_build, "build_backbone", build_tiny_backbone)
     ref = run(tiny_overrides(image_folder, tmp_path / "w1", 1))
 
     w2 = tmp_path / "w2"
@@ -263,7 +265,7 @@ def test_ranks_match_one_process_and_resume_on_other_world_sizes(
     # A one-process O2 checkpoint with momentum, to be re-split over 3 ranks below.
     o2_parts = build_o2_parts()
     one_step(*o2_parts)
-    saved = ckpt.save_checkpoint(tmp_path / "o2", 1, ckpt.training_state(*o2_parts), keep=1)
+    saved = ckpt.save_checkpoint(tmp_path / "o2", 1, training_state(*o2_parts), keep=1)
     saved.rename(tmp_path / "o2_1rank")
     spawn(
         3,

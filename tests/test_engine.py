@@ -12,7 +12,7 @@ from PIL import Image
 
 from recognition import checkpoint as ckpt
 from recognition.config import load_config
-from recognition.engine import TrainingError, train, train_step
+from recognition.training import TrainingError, train, train_step
 from recognition.heads import ShardedMarginSoftmax, build_margin
 from recognition.precision import Precision
 

@@ -12,7 +12,7 @@ from PIL import Image
 
 from recognition import checkpoint as ckpt
 from recognition.config import ConfigError, config_from_dict, load_config
-from recognition.engine import train
+from recognition.training import train
 from recognition.evaluation.run import evaluate_targets, load_backbone
 
 
@@ -144,7 +144,7 @@ def test_best_metric_is_validated():
 )
 def test_only_an_improvement_replaces_the_best(tmp_path, metric, values, best_step):
     from recognition.distributed import DistInfo
-    from recognition.evaluation.run import PeriodicEvaluation
+    from recognition.training.hooks import PeriodicEvaluation
 
     cfg = config_from_dict(
         {

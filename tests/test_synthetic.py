@@ -16,10 +16,9 @@ from recognition.data.synthetic import (
     SyntheticSpec,
     ensure_synthetic_dataset,
     generate_synthetic_dataset,
-    kfold_accuracy,
-    main,
-    pixel_cosine_baseline,
 )
+from recognition.evaluation.synthetic_baseline import main, pixel_cosine_baseline
+from recognition.evaluation.verification import kfold_accuracy
 
 TINY = SyntheticSpec(
     num_identities=8,

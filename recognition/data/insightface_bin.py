@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from recognition.data.source import image_size_pair
+from recognition.config import image_size_pair
 from recognition.data.transforms import center_crop, decode_rgb, to_input_tensor
 
 

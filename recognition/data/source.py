@@ -35,25 +35,13 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from recognition.config import image_size_pair
 from recognition.data.transforms import hflip, to_input_tensor
 
 log = logging.getLogger(__name__)
 
 BadImagePolicy = Literal["error", "skip"]
 MAX_LOGGED_BAD_IMAGES = 5
-
-
-def image_size_pair(image_size: int | Sequence[int]) -> tuple[int, int]:
-    """`image_size` (an int, or (H, W)) as a (H, W) tuple of positive ints."""
-    if isinstance(image_size, int):
-        size: tuple = (image_size, image_size)
-    elif isinstance(image_size, Sequence):
-        size = tuple(image_size)
-    else:
-        size = ()
-    if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size):
-        raise ValueError(f"image_size must be a positive int or (H, W), got {image_size!r}")
-    return size  # type: ignore[return-value]
 
 
 class TrainSource(Dataset):

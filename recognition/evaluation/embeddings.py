@@ -19,8 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from recognition.config import image_size_pair
 from recognition.data.pairs import Pairs
-from recognition.data.source import image_size_pair
 from recognition.data.transforms import center_crop, load_rgb, to_input_tensor
 from recognition.evaluation.verification import balanced_folds, evaluate_verification
 

@@ -1,13 +1,10 @@
 """Evaluate a backbone and report: verification targets (pairs files, .bin), re-id ranking,
-embedding export, and the periodic evaluation that train() runs; what evaluate.py calls."""
+embedding export; what evaluate.py and the training's evaluation hook call."""
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -15,9 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from recognition import checkpoint as ckpt
 from recognition import distributed
-from recognition.checkpoint import load_backbone_file
+from recognition.checkpoint import load_backbone  # noqa: F401  (evaluate.py, tests)
 from recognition.config import EvalTarget, ExperimentConfig
 from recognition.data.insightface_bin import BinDataset, load_bin
 from recognition.data.market1501 import list_folder, parse_name
@@ -37,33 +33,8 @@ from recognition.evaluation.verification import (
     format_table,
     to_json_dict,
 )
-from recognition.logging import MetricsWriter
-from recognition.models import build_backbone
 
 log = logging.getLogger(__name__)
-
-
-def load_backbone(
-    path: str | os.PathLike, device: torch.device
-) -> tuple[nn.Module, int | tuple[int, int]]:
-    """Rebuild a backbone from a backbone export or a training checkpoint.
-
-    Returns the model in eval mode on `device` and the input size it was trained at (a
-    square side or (H, W)).
-    """
-    model_cfg, image_size, state = load_backbone_file(Path(path))
-    backbone = build_backbone(
-        model_cfg["backbone"],
-        embedding_size=model_cfg["embedding_size"],
-        width=model_cfg.get("width", 1.0),
-        dropout=model_cfg.get("dropout", 0.0),
-        image_size=image_size,
-    )
-    try:
-        backbone.load_state_dict(state)
-    except RuntimeError as exc:
-        raise ValueError(f"checkpoint {path}: weights do not fit the backbone: {exc}") from exc
-    return backbone.float().eval().to(device), image_size
 
 
 def target_name(target: EvalTarget) -> str:
@@ -96,7 +67,7 @@ def evaluate_config_targets(
     return evaluate_targets(
         model,
         cfg.eval.targets,
-        cfg.eval.image_size or cfg.data.image_size,
+        cfg.eval_image_hw,
         batch_size=cfg.eval.batch_size,
         flip=cfg.eval.flip,
         device=device,
@@ -412,95 +383,3 @@ def metric_values(name: str, result: Mapping) -> dict[str, float]:
         if tar is not None:
             values[f"eval/{name}/tar@far={far}"] = float(tar)
     return values
-
-
-class PeriodicEvaluation:
-    """Verification every ``eval.every_steps`` optimizer steps, and the best backbone kept.
-
-    Call :meth:`due` every step and :meth:`run` (on every rank: it is collective) when it is
-    true. Rank 0 evaluates a float copy of the backbone on ``eval.targets`` while the other
-    ranks wait for its answer, so one evaluation must take less than ``train.timeout_s``.
-    The scalars go to metrics.jsonl (one record ``{"step", "epoch", "eval/<target>/..."}``)
-    and TensorBoard. When ``eval.best_metric`` improved, rank 0 writes ``best_backbone.pt``
-    (a backbone export) and then ``best.json`` (``step``, ``metric``, ``value``), each
-    atomically; an existing best.json (a resumed run) is the value to beat.
-    """
-
-    def __init__(self, cfg: ExperimentConfig, dist_info: DistInfo, metrics: MetricsWriter):
-        self.cfg = cfg
-        self.dist_info = dist_info
-        self.metrics = metrics
-        self.run_dir = cfg.run_dir
-        self.best_value: float | None = None
-        best_metric = cfg.eval.best_metric
-        self.lower_is_better = best_metric is not None and best_metric.endswith("/eer")
-        best_file = self.run_dir / "best.json"
-        if dist_info.is_main and best_metric is not None and best_file.is_file():
-            try:
-                saved = json.loads(best_file.read_text())
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{best_file}: not valid JSON ({exc})") from exc
-            if saved.get("metric") == best_metric:
-                self.best_value = float(saved["value"])
-
-    def due(self, step: int) -> bool:
-        every = self.cfg.eval.every_steps
-        return bool(every and self.cfg.eval.targets and step % every == 0)
-
-    def run(self, step: int, epoch: int, backbone: nn.Module) -> dict[str, dict] | None:
-        """Evaluate (rank 0) and wait for it (every rank). Returns rank 0's results, else None.
-
-        An error on rank 0 (a missing image) is raised on every rank, not left to the timeout.
-        """
-        results, error = None, None
-        if self.dist_info.is_main:
-            try:
-                results = self._evaluate(step, epoch, backbone)
-            except (ValueError, FileNotFoundError) as exc:
-                error = f"evaluation at step {step} failed: {exc}"
-        # The broadcast doubles as the barrier the other ranks wait at.
-        error = distributed.broadcast_object(error)
-        if error is not None:
-            raise ValueError(error)
-        return results
-
-    def _evaluate(self, step: int, epoch: int, backbone: nn.Module) -> dict[str, dict]:
-        cfg = self.cfg
-        device = self.dist_info.device
-        model = copy.deepcopy(backbone).float().eval()
-        # Evaluation must not move the training's random streams (a DataLoader draws a seed
-        # from the global generator), or a run with evaluation would train differently.
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            results = evaluate_config_targets(cfg, model, device, progress=False, xnorm=True)
-        values: dict[str, float] = {}
-        for name, result in results.items():
-            values.update(metric_values(name, result))
-        self.metrics.log(step, {"epoch": epoch, **values}, prefix=None)
-        log.info(
-            "step %d eval: %s",
-            step,
-            ", ".join(f"{n} accuracy {100 * r['accuracy']:.2f}%" for n, r in results.items()),
-        )
-        if cfg.eval.best_metric is not None:
-            self._keep_best(step, values, model)
-        return results
-
-    def _keep_best(self, step: int, values: dict[str, float], model: nn.Module) -> None:
-        metric = self.cfg.eval.best_metric
-        assert metric is not None
-        value = values.get(f"eval/{metric}")
-        if value is None:
-            log.warning("step %d: eval.best_metric %s could not be measured", step, metric)
-            return
-        best = self.best_value
-        if best is not None and (value >= best if self.lower_is_better else value <= best):
-            return
-        self.best_value = value
-        ckpt.export_backbone(
-            self.run_dir / "best_backbone.pt",
-            model,
-            dataclasses.asdict(self.cfg.model),
-            self.cfg.data.image_size,
-        )
-        write_json(self.run_dir / "best.json", {"step": step, "metric": metric, "value": value})
-        log.info("step %d: new best %s = %.6g, wrote best_backbone.pt", step, metric, value)

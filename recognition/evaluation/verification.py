@@ -49,6 +49,21 @@ def balanced_folds(issame: np.ndarray, num_folds: int) -> np.ndarray:
     return fold
 
 
+def kfold_accuracy(scores: np.ndarray, same: np.ndarray, folds: np.ndarray) -> float:
+    """Mean k-fold verification accuracy of similarity `scores` (higher means same).
+
+    For each fold, the threshold that maximises accuracy on the other folds (searched over
+    the midpoints between their sorted scores; the lowest such threshold on ties) is applied
+    to the held-out fold. `same` is a bool array, `folds` the fold index of each pair.
+    """
+    accuracies = []
+    for fold in np.unique(folds):
+        test = folds == fold
+        threshold, _ = best_threshold(scores[~test], same[~test])
+        accuracies.append(float(((scores[test] > threshold) == same[test]).mean()))
+    return float(np.mean(accuracies))
+
+
 def best_threshold(scores: np.ndarray, issame: np.ndarray) -> tuple[float, float]:
     """The threshold that maximises accuracy on these pairs, and that accuracy.
 

@@ -1,5 +1,10 @@
 """Classification heads: margins (ArcFace, CosFace, ...) and the margin-softmax loss."""
 
+from __future__ import annotations
+
+import torch
+
+from recognition.config import HeadConfig
 from recognition.heads.margin_softmax import ShardedMarginSoftmax, shard_range
 from recognition.heads.margins import (
     MARGINS,
@@ -12,6 +17,28 @@ from recognition.heads.margins import (
     build_margin,
 )
 
+
+def build_head(
+    cfg: HeadConfig,
+    num_classes: int,
+    embedding_size: int,
+    *,
+    seed: int,
+    device: torch.device | str | None = None,
+) -> ShardedMarginSoftmax:
+    """This rank's shard of the margin-softmax head as `head.*` says, made on `device`."""
+    margin = build_margin(cfg.margin, scale=cfg.scale, m=cfg.m, m1=cfg.m1, m2=cfg.m2, m3=cfg.m3)
+    return ShardedMarginSoftmax(
+        num_classes,
+        embedding_size,
+        margin,
+        sample_rate=cfg.sample_rate,
+        chunk_size=cfg.chunk_size,
+        seed=seed,
+        device=device,
+    )
+
+
 __all__ = [
     "MARGINS",
     "AMSoftmax",
@@ -21,6 +48,7 @@ __all__ = [
     "Margin",
     "ShardedMarginSoftmax",
     "SphereFace",
+    "build_head",
     "build_margin",
     "shard_range",
 ]

@@ -69,6 +69,7 @@ from torch.distributed import ProcessGroup
 
 from recognition import distributed
 from recognition.heads.margins import Margin
+from recognition.sharded import mark_like, set_row_placement
 
 # F.normalize's default eps; raised to the dtype's smallest normal number in float16, where
 # 1e-12 rounds to zero and a zero row would divide 0 by 0.
@@ -78,6 +79,9 @@ INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64
 
 # Standard deviation of the class rows at initialisation (insightface's partial FC).
 WEIGHT_INIT_STD = 0.01
+# Rows of the class matrix per initialisation block: every block is drawn from its own seeded
+# generator, so the matrix does not depend on how it is split over ranks.
+INIT_BLOCK_ROWS = 1 << 16
 
 # Classes per block when chunk_size is None: the logits are all kept, but the work (and its
 # temporaries, and the cache footprint) goes a block at a time.
@@ -434,6 +438,7 @@ class ShardedMarginSoftmax(nn.Module):
         chunk_size: int | None = None,
         group: ProcessGroup | None = None,
         seed: int = 0,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         if num_classes < 1:
@@ -463,14 +468,77 @@ class ShardedMarginSoftmax(nn.Module):
         self.class_start, self.num_local = shard_range(num_classes, num_ranks, self.rank)
         # Partial FC keeps this many classes per rank, or more when the batch has more positives.
         self.num_sample = min(self.num_local, max(1, round(sample_rate * self.num_local)))
-        self.weight = nn.Parameter(torch.empty(self.num_local, embedding_size))
-        nn.init.normal_(self.weight, mean=0.0, std=WEIGHT_INIT_STD)
+        self.weight = nn.Parameter(torch.empty(self.num_local, embedding_size, device=device))
+        # A checkpoint stores this rank's rows as rows of one (num_classes, D) matrix.
+        set_row_placement(self.weight, self.class_start, num_classes)
+        self.reset_parameters()
         self.last_accuracy: Tensor | None = None
         self.sampled_index: Tensor | None = None
         self.sampling_step = 0
         # Rows sampled since the optimizer's last step (bool (num_local,)), for attach_optimizer.
         self._rows_to_update: Tensor | None = None
         self._optimizer_hooks: list[Any] = []
+        # The tensor the optimizer steps for `weight` (the weight, or its O2 master); in a
+        # list, since a Parameter set as an attribute would become one of the head's own.
+        self._optimizer_param: list[Tensor] = [self.weight]
+
+    # ---------------------------------------------------------------- the shard
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Draw this rank's class rows so that the whole matrix does not depend on the split.
+
+        The class matrix is drawn in blocks of INIT_BLOCK_ROWS rows, N(0, WEIGHT_INIT_STD),
+        each block from a generator seeded by (seed, block) on the weight's device type: a
+        rank draws only the blocks its shard overlaps. A run on 8 ranks, on 1, or resumed on
+        4 starts from the same matrix (per device type: CPU and CUDA generators differ).
+        """
+        first, stop = self.class_start, self.class_start + self.num_local
+        device = self.weight.device
+        for block_start in range(first - first % INIT_BLOCK_ROWS, stop, INIT_BLOCK_ROWS):
+            block_rows = min(INIT_BLOCK_ROWS, self.num_classes - block_start)
+            generator = torch.Generator(device=device)
+            generator.manual_seed((self.seed * 1_000_003 + block_start // INIT_BLOCK_ROWS) % 2**63)
+            block = torch.randn(
+                block_rows, self.embedding_size, generator=generator, device=device
+            )
+            lo, hi = max(first, block_start), min(stop, block_start + block_rows)
+            self.weight[lo - first : hi - first] = (
+                block[lo - block_start : hi - block_start] * WEIGHT_INIT_STD
+            )
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not keep_vars:  # the weight as rows [class_start, ...) of the whole class matrix
+            destination[prefix + "weight"] = mark_like(self.weight, self.weight)
+
+    def get_extra_state(self) -> dict[str, int]:
+        """What a checkpoint keeps besides the rows: the partial FC sampling counter."""
+        return {"sampling_step": self.sampling_step}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.sampling_step = int(state["sampling_step"])
+
+    @property
+    def optimizer_param(self) -> Tensor:
+        """The tensor the optimizer steps for `weight`: the weight, or (precision O2) its fp32
+        master, as `attach_optimizer` was told."""
+        return self._optimizer_param[0]
+
+    def squared_grad_norm(self) -> Tensor:
+        """Sum of squares of the class rows' gradients over every rank of the group.
+
+        Collective. Of the tensor the optimizer steps (`optimizer_param`), accumulated in
+        float64: the head's share of a global gradient norm, the same on every rank (each
+        rank's rows are different, so their squares add up over ranks).
+        """
+        grad = self.optimizer_param.grad
+        if grad is None:
+            local = torch.zeros((), dtype=torch.float64, device=self.weight.device)
+        else:
+            wide = grad.dtype if grad.dtype in (torch.float32, torch.float64) else torch.float32
+            local = torch.linalg.vector_norm(grad, dtype=wide).double().square()
+        return distributed.all_reduce_tensor_sum(local, self.group)
 
     def extra_repr(self) -> str:
         return (
@@ -598,9 +666,10 @@ class ShardedMarginSoftmax(nn.Module):
         every optimizer step. Extra memory during the step: the sampled rows of the weight,
         its gradient and its state (about 3 x sample_rate x the weight for SGD).
         """
+        target = self.weight if param is None else param
+        self._optimizer_param = [target]
         if self.num_sample == self.num_local:
             return
-        target = self.weight if param is None else param
         if not any(p is target for group in optimizer.param_groups for p in group["params"]):
             raise ValueError(
                 "attach_optimizer: the optimizer does not hold the head's weight; under "

@@ -7,11 +7,14 @@ keyword-only arguments `embedding_size`, `width`, `dropout` and `image_size`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from torch import nn
 
 from recognition.models.iresnet import (
+    IRESNET_LAYERS,
     IResNet,
+    iresnet,
     iresnet18,
     iresnet34,
     iresnet50,
@@ -21,11 +24,7 @@ from recognition.models.iresnet import (
 from recognition.models.resnet import ReIDResNet50, resnet50_reid
 
 BACKBONES: dict[str, Callable[..., nn.Module]] = {
-    "iresnet18": iresnet18,
-    "iresnet34": iresnet34,
-    "iresnet50": iresnet50,
-    "iresnet100": iresnet100,
-    "iresnet200": iresnet200,
+    **{name: partial(iresnet, name) for name in IRESNET_LAYERS},
     "resnet50_reid": resnet50_reid,
 }
 
@@ -44,9 +43,11 @@ def build_backbone(name: str, **kwargs: object) -> nn.Module:
 
 __all__ = [
     "BACKBONES",
+    "IRESNET_LAYERS",
     "IResNet",
     "ReIDResNet50",
     "build_backbone",
+    "iresnet",
     "iresnet18",
     "iresnet34",
     "iresnet50",

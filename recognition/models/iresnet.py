@@ -15,8 +15,12 @@ carries identity information that global pooling would throw away.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
+
+from recognition.config import image_size_pair
 
 # Every BatchNorm of the published models uses PyTorch's default epsilon.
 BN_EPS = 1e-5
@@ -111,8 +115,11 @@ class IResNet(nn.Module):
             raise ValueError(f"width: must be positive, got {width}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout: must be in [0, 1), got {dropout}")
-        sides = [image_size] * 2 if isinstance(image_size, int) else list(image_size)
-        if len(sides) != 2 or any(not isinstance(s, int) or s < 16 or s % 16 for s in sides):
+        try:
+            sides = image_size_pair(image_size)
+        except ValueError:
+            sides = (0, 0)
+        if any(s < 16 or s % 16 for s in sides):
             raise ValueError(
                 f"image_size: IResNet needs a side or (H, W) that are multiples of 16 (four "
                 f"stride-2 stages), got {image_size}; 112 is the usual face crop"
@@ -183,14 +190,19 @@ class IResNet(nn.Module):
         return self.features(self.fc(x))
 
 
-def _build(
+def iresnet(
     name: str,
-    embedding_size: int,
-    width: float,
-    dropout: float,
-    image_size: int | tuple[int, int],
-    zero_init_residual: bool,
+    *,
+    embedding_size: int = 512,
+    width: float = 1.0,
+    dropout: float = 0.0,
+    image_size: int | tuple[int, int] = 112,
+    zero_init_residual: bool = False,
 ) -> IResNet:
+    """The IResNet called `name` (a key of IRESNET_LAYERS: "iresnet50" has 3, 4, 14, 3
+    blocks per stage); see `IResNet` for the other arguments."""
+    if name not in IRESNET_LAYERS:
+        raise ValueError(f"unknown IResNet {name!r} (choose from {', '.join(IRESNET_LAYERS)})")
     return IResNet(
         IRESNET_LAYERS[name],
         embedding_size=embedding_size,
@@ -201,61 +213,9 @@ def _build(
     )
 
 
-def iresnet18(
-    *,
-    embedding_size: int = 512,
-    width: float = 1.0,
-    dropout: float = 0.0,
-    image_size: int | tuple[int, int] = 112,
-    zero_init_residual: bool = False,
-) -> IResNet:
-    """IResNet-18 (2, 2, 2, 2 blocks); see `IResNet` for the arguments."""
-    return _build("iresnet18", embedding_size, width, dropout, image_size, zero_init_residual)
-
-
-def iresnet34(
-    *,
-    embedding_size: int = 512,
-    width: float = 1.0,
-    dropout: float = 0.0,
-    image_size: int | tuple[int, int] = 112,
-    zero_init_residual: bool = False,
-) -> IResNet:
-    """IResNet-34 (3, 4, 6, 3 blocks); see `IResNet` for the arguments."""
-    return _build("iresnet34", embedding_size, width, dropout, image_size, zero_init_residual)
-
-
-def iresnet50(
-    *,
-    embedding_size: int = 512,
-    width: float = 1.0,
-    dropout: float = 0.0,
-    image_size: int | tuple[int, int] = 112,
-    zero_init_residual: bool = False,
-) -> IResNet:
-    """IResNet-50 (3, 4, 14, 3 blocks); see `IResNet` for the arguments."""
-    return _build("iresnet50", embedding_size, width, dropout, image_size, zero_init_residual)
-
-
-def iresnet100(
-    *,
-    embedding_size: int = 512,
-    width: float = 1.0,
-    dropout: float = 0.0,
-    image_size: int | tuple[int, int] = 112,
-    zero_init_residual: bool = False,
-) -> IResNet:
-    """IResNet-100 (3, 13, 30, 3 blocks); see `IResNet` for the arguments."""
-    return _build("iresnet100", embedding_size, width, dropout, image_size, zero_init_residual)
-
-
-def iresnet200(
-    *,
-    embedding_size: int = 512,
-    width: float = 1.0,
-    dropout: float = 0.0,
-    image_size: int | tuple[int, int] = 112,
-    zero_init_residual: bool = False,
-) -> IResNet:
-    """IResNet-200 (6, 26, 60, 6 blocks); see `IResNet` for the arguments."""
-    return _build("iresnet200", embedding_size, width, dropout, image_size, zero_init_residual)
+# iresnet18(...) ... iresnet200(...): the table's depths by name.
+iresnet18 = partial(iresnet, "iresnet18")
+iresnet34 = partial(iresnet, "iresnet34")
+iresnet50 = partial(iresnet, "iresnet50")
+iresnet100 = partial(iresnet, "iresnet100")
+iresnet200 = partial(iresnet, "iresnet200")

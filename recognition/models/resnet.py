@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torchvision.models import resnet50
 
+from recognition.config import image_size_pair
+
 TRUNK_CHANNELS = 2048
 
 
@@ -121,9 +123,10 @@ def resnet50_reid(
     """
     if width != 1.0:
         raise ValueError(f"model.width: resnet50_reid supports only width 1.0, got {width}")
-    sizes = (image_size,) if isinstance(image_size, int) else tuple(image_size)
-    if len(sizes) not in (1, 2) or any(int(s) < 1 for s in sizes):
-        raise ValueError(f"image_size: must be positive, got {image_size}")
+    try:
+        image_size_pair(image_size)
+    except ValueError:
+        raise ValueError(f"image_size: must be positive, got {image_size}") from None
     return ReIDResNet50(
         embedding_size=embedding_size, dropout=dropout, pretrained_path=pretrained_path
     )

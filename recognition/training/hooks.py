@@ -1,0 +1,356 @@
+"""The side effects of training steps, as hooks the loop calls around each step.
+
+A hook overrides any of `before_train`, `before_epoch`, `after_step`, `after_epoch`,
+`after_train`; the loop calls every hook in list order (see `default_hooks` for the order
+and why). Collective hooks (logging, evaluation, checkpoints, the epoch's bad-image count)
+run on every rank at the same steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import math
+import resource
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from recognition import checkpoint as ckpt
+from recognition import distributed
+from recognition.config import ExperimentConfig
+from recognition.distributed import DistInfo
+from recognition.evaluation.run import evaluate_config_targets, metric_values, write_json
+from recognition.logging import MetricsWriter
+from recognition.precision import StepResult
+from recognition.training.build import Run, TrainingError
+
+log = logging.getLogger(__name__)
+
+
+class Hook:
+    """Does nothing at every point of the loop; subclasses override what they need."""
+
+    def before_train(self, run: Run) -> None:
+        pass
+
+    def before_epoch(self, run: Run) -> None:
+        pass
+
+    def after_step(self, run: Run, result: StepResult) -> None:
+        """After every step, finite or not (`result.finite`); `run.progress.step` counts
+        only applied steps."""
+
+    def after_epoch(self, run: Run) -> None:
+        pass
+
+    def after_train(self, run: Run) -> None:
+        pass
+
+
+def default_hooks(run: Run, metrics: MetricsWriter) -> list[Hook]:
+    """The hooks of a training run, in the order they act after a step.
+
+    The non-finite guard first (it stops the run before anything is logged of a bad
+    step), then the log window, periodic evaluation and checkpoints (a checkpoint saved
+    after the evaluation that ran at the same step), the progress bar last.
+    """
+    return [
+        NonFiniteGuard(),
+        LogWindow(metrics),
+        PeriodicEvaluation(run.cfg, run.dist_info, metrics),
+        Checkpointer(),
+        BadImageReport(),
+        ProgressBar(),
+    ]
+
+
+class NonFiniteGuard(Hook):
+    """Counts non-finite losses in a row and stops after `train.max_nonfinite_steps`."""
+
+    def __init__(self) -> None:
+        self.in_a_row = 0
+
+    def after_step(self, run: Run, result: StepResult) -> None:
+        if result.finite:
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        step = run.progress.step
+        log.warning(
+            "step %d: non-finite loss %s, step skipped (%d in a row)",
+            step,
+            result.loss,
+            self.in_a_row,
+        )
+        if self.in_a_row >= run.cfg.train.max_nonfinite_steps:
+            raise TrainingError(
+                f"stopping: {self.in_a_row} non-finite losses in a row at step {step} "
+                "(train.max_nonfinite_steps); lower optim.lr, enable optim.grad_clip or use "
+                f"precision.level=O0/O1. The last checkpoint in {run.run_dir / 'checkpoints'} "
+                "is intact."
+            )
+
+
+class LogWindow(Hook):
+    """Every `train.log_every` steps (and at the last): the window's numbers, reduced over
+    ranks (collective), to metrics.jsonl, TensorBoard and the log."""
+
+    def __init__(self, metrics: MetricsWriter) -> None:
+        self.metrics = metrics
+        self.reset()
+
+    def reset(self) -> None:
+        self.losses: list[float] = []
+        self.accuracies: list[float] = []
+        self.grad_norms: list[float] = []
+        self.samples = 0
+        self.skipped = 0
+        self.scale = 1.0
+        self.start = time.perf_counter()
+
+    def before_train(self, run: Run) -> None:
+        cfg = run.cfg
+        log.info(
+            "training %s for %d steps (%d epochs x %d steps), precision %s/%s",
+            cfg.model.backbone,
+            run.last_step,
+            cfg.train.epochs,
+            run.steps_per_epoch,
+            cfg.precision.level,
+            cfg.precision.dtype,
+        )
+        self.reset()
+
+    def after_step(self, run: Run, result: StepResult) -> None:
+        if not result.finite:
+            return
+        self.losses.append(result.loss)
+        if math.isfinite(result.accuracy):
+            self.accuracies.append(result.accuracy)
+        if math.isfinite(result.grad_norm):
+            self.grad_norms.append(result.grad_norm)
+        self.samples += run.cfg.train.batch_size * run.cfg.train.accumulate_steps
+        self.skipped += int(not result.stepped)
+        self.scale = result.scale
+        step = run.progress.step
+        if step % run.cfg.train.log_every and step != run.last_step:
+            return
+        values = self.flush(run.dist_info)
+        values.update(epoch=run.progress.epoch, lr=run.optimizer.param_groups[0]["lr"])
+        self.metrics.log(step, values)
+        log.info(
+            "step %d/%d epoch %d loss %.4f lr %.4g %.1f samples/s",
+            step,
+            run.last_step,
+            run.progress.epoch,
+            values["loss"],
+            values["lr"],
+            values["samples_per_sec"],
+        )
+
+    def flush(self, dist_info: DistInfo) -> dict[str, Any]:
+        """The window's scalars, reduced over ranks (collective), then a fresh window."""
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        peak_memory = peak_memory_mb(dist_info.device)
+        values = {
+            # The loss and the accuracy are already identical on every rank (the head reduces
+            # over the global batch); the mean keeps the contract should a head ever differ.
+            "loss": distributed.all_reduce_mean(float(np.mean(self.losses))),
+            "accuracy": distributed.all_reduce_mean(
+                float(np.mean(self.accuracies)) if self.accuracies else float("nan")
+            ),
+            "samples_per_sec": distributed.all_reduce_sum(self.samples / elapsed),
+            # Already global: the norm is taken over every rank's gradients.
+            "grad_norm": float(np.mean(self.grad_norms)) if self.grad_norms else float("nan"),
+            "skipped_steps": self.skipped,
+            "loss_scale": self.scale,
+            # The fullest and the emptiest rank: an uneven class split or a leak shows here.
+            "peak_memory_mb_max": distributed.all_reduce_max(peak_memory),
+            "peak_memory_mb_min": distributed.all_reduce_min(peak_memory),
+        }
+        self.reset()
+        return values
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process so far in MiB: CUDA memory allocated on GPU, RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Checkpointer(Hook):
+    """Saves the run's parts every `train.checkpoint_every` steps (null: at the end of each
+    epoch) and at the last step (collective: every rank writes its own class rows)."""
+
+    def after_step(self, run: Run, result: StepResult) -> None:
+        if not result.finite:
+            return
+        step, every = run.progress.step, run.cfg.train.checkpoint_every
+        if (every and step % every == 0) or step == run.last_step:
+            self.save(run)
+        elif run.end_of_epoch and every is None:
+            # Saved as the start of the next epoch, so a resume does not redo this one's end.
+            progress = run.progress
+            epoch, batches_done = progress.epoch, progress.batches_done
+            progress.epoch, progress.batches_done = epoch + 1, 0
+            try:
+                self.save(run)
+            finally:
+                progress.epoch, progress.batches_done = epoch, batches_done
+
+    @staticmethod
+    def save(run: Run) -> None:
+        ckpt.save_checkpoint(
+            run.run_dir,
+            run.progress.step,
+            run.checkpoint_parts(),
+            keep=run.cfg.train.keep_checkpoints,
+        )
+
+
+class BadImageReport(Hook):
+    """At the end of each epoch: how many unreadable images were replaced (collective)."""
+
+    def after_epoch(self, run: Run) -> None:
+        num_bad = int(distributed.all_reduce_sum(float(run.data.take_bad_image_count())))
+        if num_bad:
+            log.warning(
+                "epoch %d: %d unreadable images replaced by others of their identity "
+                "(data.on_bad_image=skip; the first few are named above)",
+                run.progress.epoch,
+                num_bad,
+            )
+
+
+class ProgressBar(Hook):
+    """A tqdm bar over the epoch's steps on rank 0 (`train.progress`)."""
+
+    def __init__(self) -> None:
+        self.bar: tqdm | None = None
+
+    def before_epoch(self, run: Run) -> None:
+        self.bar = tqdm(
+            total=run.steps_per_epoch,
+            initial=run.progress.batches_done // run.cfg.train.accumulate_steps,
+            desc=f"epoch {run.progress.epoch}",
+            disable=not (run.cfg.train.progress and run.dist_info.is_main),
+            leave=False,
+            dynamic_ncols=True,
+        )
+
+    def after_step(self, run: Run, result: StepResult) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def after_epoch(self, run: Run) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    after_train = after_epoch
+
+
+class PeriodicEvaluation(Hook):
+    """Verification every ``eval.every_steps`` optimizer steps, and the best backbone kept.
+
+    Call :meth:`due` every step and :meth:`run` (on every rank: it is collective) when it is
+    true. Rank 0 evaluates a float copy of the backbone on ``eval.targets`` while the other
+    ranks wait for its answer, so one evaluation must take less than ``train.timeout_s``.
+    The scalars go to metrics.jsonl (one record ``{"step", "epoch", "eval/<target>/..."}``)
+    and TensorBoard. When ``eval.best_metric`` improved, rank 0 writes ``best_backbone.pt``
+    (a backbone export) and then ``best.json`` (``step``, ``metric``, ``value``), each
+    atomically; an existing best.json (a resumed run) is the value to beat.
+    """
+
+    def __init__(self, cfg: ExperimentConfig, dist_info: DistInfo, metrics: MetricsWriter):
+        self.cfg = cfg
+        self.dist_info = dist_info
+        self.metrics = metrics
+        self.run_dir = cfg.run_dir
+        self.best_value: float | None = None
+        best_metric = cfg.eval.best_metric
+        self.lower_is_better = best_metric is not None and best_metric.endswith("/eer")
+        best_file = self.run_dir / "best.json"
+        if dist_info.is_main and best_metric is not None and best_file.is_file():
+            try:
+                saved = json.loads(best_file.read_text())
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{best_file}: not valid JSON ({exc})") from exc
+            if saved.get("metric") == best_metric:
+                self.best_value = float(saved["value"])
+
+    def after_step(self, run: Run, result: StepResult) -> None:
+        if result.finite and self.due(run.progress.step):
+            # Collective: rank 0 evaluates (eval.targets), the others wait for it.
+            self.run(run.progress.step, run.progress.epoch, run.backbone)
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.eval.every_steps
+        return bool(every and self.cfg.eval.targets and step % every == 0)
+
+    def run(self, step: int, epoch: int, backbone: nn.Module) -> dict[str, dict] | None:
+        """Evaluate (rank 0) and wait for it (every rank). Returns rank 0's results, else None.
+
+        An error on rank 0 (a missing image) is raised on every rank, not left to the timeout.
+        """
+        results, error = None, None
+        if self.dist_info.is_main:
+            try:
+                results = self._evaluate(step, epoch, backbone)
+            except (ValueError, FileNotFoundError) as exc:
+                error = f"evaluation at step {step} failed: {exc}"
+        # The broadcast doubles as the barrier the other ranks wait at.
+        error = distributed.broadcast_object(error)
+        if error is not None:
+            raise ValueError(error)
+        return results
+
+    def _evaluate(self, step: int, epoch: int, backbone: nn.Module) -> dict[str, dict]:
+        cfg = self.cfg
+        device = self.dist_info.device
+        model = copy.deepcopy(backbone).float().eval()
+        # Evaluation must not move the training's random streams (a DataLoader draws a seed
+        # from the global generator), or a run with evaluation would train differently.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            results = evaluate_config_targets(cfg, model, device, progress=False, xnorm=True)
+        values: dict[str, float] = {}
+        for name, result in results.items():
+            values.update(metric_values(name, result))
+        self.metrics.log(step, {"epoch": epoch, **values}, prefix=None)
+        log.info(
+            "step %d eval: %s",
+            step,
+            ", ".join(f"{n} accuracy {100 * r['accuracy']:.2f}%" for n, r in results.items()),
+        )
+        if cfg.eval.best_metric is not None:
+            self._keep_best(step, values, model)
+        return results
+
+    def _keep_best(self, step: int, values: dict[str, float], model: nn.Module) -> None:
+        metric = self.cfg.eval.best_metric
+        assert metric is not None
+        value = values.get(f"eval/{metric}")
+        if value is None:
+            log.warning("step %d: eval.best_metric %s could not be measured", step, metric)
+            return
+        best = self.best_value
+        if best is not None and (value >= best if self.lower_is_better else value <= best):
+            return
+        self.best_value = value
+        ckpt.export_backbone(
+            self.run_dir / "best_backbone.pt",
+            model,
+            dataclasses.asdict(self.cfg.model),
+            self.cfg.data.image_size,
+        )
+        write_json(self.run_dir / "best.json", {"step": step, "metric": metric, "value": value})
+        log.info("step %d: new best %s = %.6g, wrote best_backbone.pt", step, metric, value)

@@ -1,0 +1,151 @@
+"""`train(cfg)`: set up, build, resume, run the loop, export and evaluate.
+
+The same code runs on one process and on N (torchrun): data parallel for the backbone
+(replicated, wrapped in DistributedDataParallel, which averages its gradients), model
+parallel for the head (each rank owns a contiguous shard of the classes; see
+`recognition.heads.margin_softmax` for why DDP's average then gives exactly the
+one-process gradient). W ranks with a local batch B step like one process with a batch of
+W*B, up to float rounding, as long as the backbone has no batch statistics or uses
+SyncBatchNorm (`model.sync_bn`): the sample order is DistributedSampler's, the class matrix
+is initialised the same whatever W, and gradient clipping uses the norm over all ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import torch.distributed as dist
+
+from recognition import checkpoint as ckpt
+from recognition import distributed
+from recognition.config import ExperimentConfig
+from recognition.logging import MetricsWriter, setup_logging
+from recognition.training.build import Run, build
+from recognition.training.hooks import Hook, default_hooks
+from recognition.training.resume import resume, resume_path
+from recognition.training.state import seed_everything
+from recognition.training.step import train_step
+
+log = logging.getLogger(__name__)
+
+
+def train(cfg: ExperimentConfig) -> Path:
+    """Train as `cfg` says, on this process or as one rank of a torchrun job.
+
+    Returns the run directory. Every rank must call it with the same config.
+    """
+    # A group made by a caller (a test) is the caller's to tear down; ours is ours.
+    owns_group = not (dist.is_available() and dist.is_initialized())
+    dist_info = distributed.init_distributed(
+        cfg.train.device, cfg.train.dist_backend, cfg.train.timeout_s
+    )
+    setup_logging(cfg.run_dir, dist_info)
+    checkpoint = resume_path(cfg, cfg.run_dir)
+    # Per-rank seeds: ranks draw different dropout masks. The backbone's initial weights are
+    # rank 0's (DDP broadcasts them) and the head draws its class matrix by blocks.
+    seed_everything(cfg.seed + dist_info.rank)
+    log.info(
+        "run directory %s, device %s, world size %d%s",
+        cfg.run_dir,
+        dist_info.device,
+        dist_info.world_size,
+        f" ({dist.get_backend()}, timeout {cfg.train.timeout_s:g} s)"
+        if dist_info.is_distributed
+        else "",
+    )
+    run = build(cfg, dist_info, resuming=checkpoint is not None)
+    if checkpoint is not None:
+        resume(run, checkpoint)
+    metrics = MetricsWriter(cfg.run_dir, dist_info, start_step=run.progress.step)
+    try:
+        run_loop(run, default_hooks(run, metrics))
+    finally:
+        metrics.close()
+    _finish(run)
+    if owns_group:
+        distributed.shutdown()
+    return cfg.run_dir
+
+
+def run_loop(run: Run, hooks: list[Hook], step_fn: Callable = train_step) -> None:
+    """Step until `run.last_step`, calling `hooks` around every step and epoch.
+
+    `step_fn` takes (model, head, micro-batches, optimizer, precision, max grad norm) and
+    returns a `StepResult`, as `train_step` does; another step (compiled, pipelined) can
+    take its place. A finite step advances the scheduler and `run.progress.step`; a
+    non-finite one changes nothing (the guard hook counts them).
+    """
+    cfg, progress = run.cfg, run.progress
+    device, memory_format = run.dist_info.device, run.memory_format
+    for hook in hooks:
+        hook.before_train(run)
+    while progress.step < run.last_step:
+        run.sampler.set_epoch(progress.epoch, start=progress.batches_done * cfg.train.batch_size)
+        for hook in hooks:
+            hook.before_epoch(run)
+        for micro_batches in _grouped(run.loader, cfg.train.accumulate_steps):
+            micro_batches = [
+                (
+                    x.to(device, non_blocking=True, memory_format=memory_format),
+                    y.to(device, non_blocking=True),
+                )
+                for x, y in micro_batches
+            ]
+            result = step_fn(
+                run.model,
+                run.head,
+                micro_batches,
+                run.optimizer,
+                run.precision,
+                cfg.optim.grad_clip,
+            )
+            progress.batches_done += len(micro_batches)
+            if result.finite:
+                run.scheduler.step()
+                progress.step += 1
+            for hook in hooks:
+                hook.after_step(run, result)
+            if progress.step >= run.last_step or run.end_of_epoch:
+                break
+        # Collective hooks here: every rank leaves the epoch's loop at the same step.
+        for hook in hooks:
+            hook.after_epoch(run)
+        if run.end_of_epoch:
+            progress.epoch, progress.batches_done = progress.epoch + 1, 0
+    for hook in hooks:
+        hook.after_train(run)
+
+
+def _finish(run: Run) -> None:
+    """Rank 0 exports the backbone and evaluates `eval.targets` once every rank is done."""
+    cfg = run.cfg
+    # The others leave once every rank is done (the last checkpoint is complete), so a long
+    # evaluation cannot run into the collective timeout.
+    distributed.barrier()
+    if not run.dist_info.is_main:
+        return
+    path = cfg.run_dir / "backbone.pt"
+    ckpt.export_backbone(path, run.backbone, dataclasses.asdict(cfg.model), cfg.data.image_size)
+    log.info("wrote %s", path)
+    if cfg.eval.at_end and cfg.eval.targets:
+        from recognition.evaluation.run import evaluate_config_targets, report
+
+        model = copy.deepcopy(run.backbone).float().eval()
+        results = evaluate_config_targets(
+            cfg, model, run.dist_info.device, progress=cfg.train.progress
+        )
+        report(results, json_path=cfg.run_dir / "eval.json", roc_path=cfg.run_dir / "roc.png")
+
+
+def _grouped(loader: Iterable, size: int) -> Iterator[list]:
+    """Yield lists of `size` consecutive batches; a trailing incomplete group is dropped."""
+    group: list = []
+    for batch in loader:
+        group.append(batch)
+        if len(group) == size:
+            yield group
+            group = []

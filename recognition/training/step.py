@@ -1,0 +1,119 @@
+"""One optimizer step: `train_step()`, and the global gradient norm it clips by.
+
+`train_step` is the step the loop calls; a test drives it alone. Another step function with
+the same signature and result (a compiled or a pipelined one) can replace it in
+`recognition.training.loop` without touching the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from recognition.precision import Precision, StepResult
+
+
+class ShardedPart(Protocol):
+    """A part whose optimizer tensor holds different rows on every rank (the head)."""
+
+    optimizer_param: torch.Tensor
+
+    def squared_grad_norm(self) -> torch.Tensor: ...
+
+
+def train_step(
+    backbone: nn.Module,
+    head: nn.Module,
+    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    precision: Precision,
+    max_grad_norm: float | None,
+) -> StepResult:
+    """One optimizer step over `micro_batches` (gradient accumulation when more than one).
+
+    `backbone` may be wrapped in DistributedDataParallel; its gradients are then all-reduced
+    once, in the last micro-batch's backward. `head` is the class-sharded margin softmax:
+    its share of the gradient norm is summed over ranks (`global_grad_norm`), so that every
+    rank clips by the same global norm.
+
+    Each micro-batch's loss is divided by their number before backward, so the gradient is
+    that of the mean loss over all of them. A non-finite loss skips the whole step: the
+    accumulated gradients are dropped and no parameter or optimizer state changes. The loss
+    is the same on every rank (the head reduces over the global batch), so ranks skip alike.
+    """
+    num_micro = len(micro_batches)
+    precision.zero_grad(optimizer)
+    losses, accuracies = [], []
+    for index, (images, labels) in enumerate(micro_batches):
+        # DDP would all-reduce after every backward; the sum is only needed after the last.
+        defer_sync = isinstance(backbone, DistributedDataParallel) and index < num_micro - 1
+        with backbone.no_sync() if defer_sync else contextlib.nullcontext():  # type: ignore[operator]
+            with precision.autocast():
+                embeddings = backbone(precision.cast_inputs(images))  # (B, D)
+                loss = head(embeddings, labels)  # same scalar on every rank
+            if not torch.isfinite(loss):
+                precision.zero_grad(optimizer)
+                return StepResult(
+                    stepped=False,
+                    grad_norm=float("nan"),
+                    scale=precision.loss_scale(),
+                    loss=float(loss.detach()),
+                    finite=False,
+                )
+            precision.backward(loss / num_micro)
+        # Kept in the loss's own dtype (float32, or float64 in a float64 run).
+        losses.append(loss.detach())
+        if getattr(head, "last_accuracy", None) is not None:
+            accuracies.append(head.last_accuracy.float())
+
+    sharded = [head] if hasattr(head, "squared_grad_norm") else []
+    result = precision.step(
+        optimizer, max_grad_norm, grad_norm_fn=lambda params: global_grad_norm(params, sharded)
+    )
+    return StepResult(
+        stepped=result.stepped,
+        grad_norm=float(result.grad_norm),
+        scale=float(result.scale),
+        loss=float(torch.stack(losses).mean()),
+        accuracy=float(torch.stack(accuracies).mean()) if accuracies else float("nan"),
+    )
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], sharded: Sequence[ShardedPart] = ()) -> float:
+    """L2 norm of the gradients of `params` over the whole model, whichever rank holds them.
+
+    `params` are the tensors an optimizer steps. Those that a part of `sharded` steps hold
+    different rows on every rank: the part sums their squares over its ranks
+    (`squared_grad_norm`, collective). The others are replicated and already equal on every
+    rank (DDP averaged them) and count once. So every rank gets the same norm: clipping by a
+    local norm would scale each rank's replica differently and the replicas would drift
+    apart. inf/NaN anywhere gives inf/NaN on every rank. Squares are summed in float32 at
+    least (float64 for float64 gradients) so half gradients cannot overflow. Returns 0.0
+    when no parameter has a gradient.
+    """
+    sharded_ids = {id(part.optimizer_param) for part in sharded}
+    replicated = [p.grad for p in params if p.grad is not None and id(p) not in sharded_ids]
+    device = replicated[0].device if replicated else torch.device("cpu")
+    total = _squared_norm(replicated, device)
+    for part in sharded:
+        total = total + part.squared_grad_norm().to(device, torch.float64)
+    return float(total.sqrt())
+
+
+_WIDE = (torch.float32, torch.float64)
+
+
+def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of every element of `grads`: a float64 scalar on `device`."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = [
+        torch.linalg.vector_norm(g, dtype=g.dtype if g.dtype in _WIDE else torch.float32)
+        for g in grads
+    ]
+    return torch.stack([n.to(device, torch.float64) for n in norms]).square().sum()
