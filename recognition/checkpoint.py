@@ -2,22 +2,37 @@
 resumable on any number of ranks, and the single-file backbone export.
 
 A training checkpoint is a directory `checkpoints/step_<N:08d>/` that DCP writes: one
-`__<rank>_0.distcp` file per rank and a `.metadata` index. Its entries have flat names:
+`__<rank>_0.distcp` file per rank and a `.metadata` index. `save_checkpoint` takes a dict of
+parts, each a `Stateful` (`state_dict()` / `load_state_dict()`: the backbone and head
+modules, Precision, the optimizer adapter, the scheduler, the run's progress and RNG) or a
+plain value, and knows none of their insides: a part's state dict is flattened into entries
+`<part>/<key>` wherever it holds tensors (`flatten_state`), anything else is one entry. The
+training run's parts (recognition.training) give these entries:
 
-| entry                            | holds                                     | written by  |
-|----------------------------------|-------------------------------------------|-------------|
-| `backbone/<name>`                | the backbone's state_dict (replicated)    | rank 0      |
-| `head/weight`                    | the class matrix (num_classes, D)         | every rank  |
-| `precision/masters/<key>`        | O2 fp32 masters (the head's: rows)        | 0; rows: all |
-| `precision/scaler`               | the fp16 loss scaler's state              | rank 0      |
-| `optimizer/state/<index>/<name>` | momentum, Adam moments (the head's: rows) | 0; rows: all |
-| `optimizer/param_groups`         | learning rates, weight decay, ...         | rank 0      |
-| what the caller adds             | scheduler, progress, config; `rng/<rank>` | 0; each     |
+| entry                         | holds                                         | written by |
+|-------------------------------|-----------------------------------------------|------------|
+| `format`                      | {"version": FORMAT_VERSION}                   | rank 0     |
+| `backbone/<name>`             | the backbone's state_dict (replicated)        | rank 0     |
+| `head/weight`                 | the class matrix (num_classes, D)             | every rank |
+| `head/_extra_state`           | the partial FC sampling step                  | rank 0     |
+| `precision/masters/<key>`     | O2 fp32 masters (the head's: rows)            | 0; rows: all |
+| `precision/scaler`, `level`.. | the fp16 loss scaler's state, level, dtype    | rank 0     |
+| `optimizer/state/<i>/<name>`  | momentum, Adam moments (the head's: rows)     | 0; rows: all |
+| `optimizer/param_groups`      | learning rates, weight decay, ...             | rank 0     |
+| `scheduler`, `progress`       | LR schedule; step, epoch, position in epoch   | rank 0     |
+| `meta`                        | the config, the number and hash of classes    | rank 0     |
+| `rng/<rank>/...`              | each rank's random streams                    | each rank  |
+
+Versions: 1 (no `format` entry) kept the partial FC step in `progress`; it loads (see
+recognition.training.state), and a version newer than this code's is refused by name.
 
 Class rows. Each rank passes its shard of the class matrix, of its master and of their
-optimizer state as the plain local tensor carrying DCP's `CheckpointableTensor` fields (see
-`rows_of`): the global shape (num_classes, ...) and the global row where the shard starts.
-DCP records the shards as chunks of one global tensor and each rank writes its own chunk,
+optimizer state as the plain local tensor marked with the global shape (num_classes, ...)
+and the global row where the shard starts (`recognition.sharded`: the head records its
+rows' placement, Precision and the optimizer adapter copy it to the tensors that stand for
+them). The planners here (`_RowsSavePlanner`, `_SafeLoadPlanner`) plan those rows as
+chunks of one global tensor with DCP's own write and read items, the same on every
+supported torch release; each rank writes its own chunk,
 so nothing is ever gathered on one rank. To load, each rank asks for the rows of *its*
 shard under the current world size (`shard_range`); DCP reads them from whichever saved
 chunks overlap them. That is how a checkpoint of 2 ranks resumes on 1 or 3: the class
@@ -43,6 +58,8 @@ and DCP's `.metadata` index (a pickle) with an allow-list of DCP's own metadata 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import logging
 import os
 import pickle
@@ -57,7 +74,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.checkpoint import (
     CheckpointException,
     DefaultLoadPlanner,
@@ -67,7 +84,24 @@ from torch.distributed.checkpoint import (
     Metadata,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.default_planner import (
+    create_default_local_load_plan,
+    create_default_local_save_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from recognition import distributed
 from recognition.models import build_backbone
@@ -116,6 +150,8 @@ def atomic_save(obj: Any, path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:  # torch's zip writer raises RuntimeError
+        raise OSError(_write_failure(exc, path)) from None
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -207,18 +243,16 @@ def save_checkpoint(run_dir: Path, step: int, parts: Mapping[str, Any], keep: in
             dcp.save(
                 state,
                 storage_writer=FileSystemWriter(tmp, sync_files=True),
-                planner=DefaultSavePlanner(
-                    flatten_state_dict=False,
-                    flatten_sharded_tensors=False,
-                    # Replicated entries from rank 0: ranks' BatchNorm running statistics
-                    # differ between DDP's broadcasts of rank 0's, and rank 0's are the ones
-                    # DDP (and the backbone export) treat as the model's.
-                    dedup_save_to_lowest_rank=True,
-                ),
+                planner=_RowsSavePlanner(),
                 no_dist=no_dist,
             )
     except CheckpointException as exc:
-        raise _plain_error(exc, f"saving checkpoint {final} failed", OSError) from None
+        if is_main:  # nothing half-written stays behind; the previous checkpoints are intact
+            shutil.rmtree(tmp, ignore_errors=True)
+        error = _plain_error(exc, f"saving checkpoint {final} failed", OSError)
+        if isinstance(error, OSError) and _is_disk_full(error):
+            error = OSError(_write_failure(error, final))
+        raise error from None
     # dcp.save returns on every rank once rank 0 has written .metadata: the files are complete.
     if is_main:
         if final.exists():  # the same step saved again (a resumed run): replace it
@@ -506,11 +540,83 @@ _METADATA_GLOBALS = {
 }
 
 
+def _is_rows(value: Any) -> bool:
+    """Whether `value` is a tensor marked by `rows_of` (this rank's rows of a global tensor)."""
+    return torch.is_tensor(value) and hasattr(value, "global_offsets")
+
+
+def _rows_chunk(tensor: Tensor) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(
+        offsets=torch.Size(tensor.global_offsets[0]),  # type: ignore[attr-defined]
+        sizes=tensor.shape,
+    )
+
+
+class _RowsSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, with `rows_of` tensors written as chunks of one tensor.
+
+    The rows are planned here rather than through a DCP tensor protocol so that the same
+    code saves (and `_SafeLoadPlanner` reshards) on every supported torch release.
+    Replicated entries are written by rank 0: ranks' BatchNorm running statistics differ
+    between DDP's broadcasts of rank 0's, and rank 0's are the ones DDP (and the backbone
+    export) treat as the model's.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(
+            flatten_state_dict=False,
+            flatten_sharded_tensors=False,
+            dedup_save_to_lowest_rank=True,
+        )
+
+    def create_local_plan(self) -> SavePlan:
+        rest = {k: v for k, v in self.state_dict.items() if not _is_rows(v)}
+        plan = create_default_local_save_plan(rest, self.is_coordinator)
+        items = [
+            WriteItem(
+                index=MetadataIndex(fqn, _rows_chunk(value).offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=_rows_chunk(value),
+                    properties=TensorProperties.create_from_tensor(value),
+                    size=torch.Size(value.global_shape),  # type: ignore[attr-defined]
+                ),
+            )
+            for fqn, value in self.state_dict.items()
+            if _is_rows(value)
+        ]
+        self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        value = self.state_dict.get(index.fqn)
+        return value if _is_rows(value) else super().lookup_object(index)
+
+
 class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner for flat state dicts, reading objects with weights_only."""
+    """DCP's default load planner for flat state dicts, reading objects with weights_only
+    and `rows_of` tensors as their rows of the stored tensor (whatever chunks hold them)."""
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        rest = {k: v for k, v in self.state_dict.items() if not _is_rows(v)}
+        plan = create_default_local_load_plan(rest, self.metadata, not self.allow_partial_load)
+        items = [
+            item
+            for fqn, value in self.state_dict.items()
+            if _is_rows(value)
+            for item in create_read_items_for_chunk_list(
+                fqn, self.metadata.state_dict_metadata[fqn], [_rows_chunk(value)]
+            )
+        ]
+        return dataclasses.replace(plan, items=[*plan.items, *items])
+
+    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        value = self.state_dict.get(index.fqn)
+        return value if _is_rows(value) else super().lookup_tensor(index)
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
@@ -605,6 +711,53 @@ def _stored_image_size(value: Any, path: Path) -> int | tuple[int, int]:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    text = str(exc)
+    return getattr(exc, "errno", None) == errno.ENOSPC or any(
+        mark in text for mark in ("No space left", "unexpected pos", "file write failed")
+    )
+
+
+def _write_failure(exc: BaseException, path: Path) -> str:
+    """A one-line message for a failed write of `path`, saying so when the disk is full."""
+    if not _is_disk_full(exc):
+        return f"writing {path} failed: {exc}"
+    try:
+        free = f"{shutil.disk_usage(path.parent).free / 2**20:.0f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return (
+        f"writing {path} failed: no space left on device ({free} on its file system); "
+        "what was written before is intact. Free space (or set output_dir elsewhere) and "
+        "resume with train.resume=true"
+    )
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """What makes the checkpoint at `path` unreadable, or None when its files look whole.
+
+    Checks that `.metadata` reads and that every data file it names exists and holds the
+    bytes it points to (a lost or truncated file); it reads no tensor data.
+    """
+    try:
+        metadata = _SafeReader(path).read_metadata()
+    except Exception as exc:  # noqa: BLE001  (any damage: truncated pickle, foreign file)
+        return f"its {METADATA_FILE} cannot be read ({exc})"
+    sizes: dict[str, int | None] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = info.relative_path
+        if name not in sizes:
+            file = path / name
+            sizes[name] = file.stat().st_size if file.is_file() else None
+        size = sizes[name]
+        if size is None:
+            return f"its data file {name} is missing"
+        needed = info.offset + info.length
+        if size < needed:
+            return f"its data file {name} is truncated ({size} bytes, needs {needed})"
+    return None
 
 
 def _plain_error(exc: CheckpointException, what: str, kind: type[Exception]) -> BaseException:

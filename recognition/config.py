@@ -232,6 +232,11 @@ class TrainConfig:
     max_nonfinite_steps: int = 5
     """Stop the run after this many non-finite losses in a row."""
     progress: bool = True
+    deterministic: bool = False
+    """Reproducible kernels: torch.use_deterministic_algorithms, cuDNN deterministic and not
+    benchmarking, CUBLAS_WORKSPACE_CONFIG=:4096:8. Costs GPU speed (cuDNN cannot pick its
+    fastest convolutions; some backward ops take slower deterministic paths, and an op with
+    no deterministic version stops the run naming it). On CPU it changes nothing measurable."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:

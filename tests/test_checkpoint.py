@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pickle
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,11 +16,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from recognition import checkpoint as ckpt
-from recognition.training.state import load_training_state, training_state
 from recognition.config import OptimConfig
 from recognition.heads import ShardedMarginSoftmax, build_margin
 from recognition.optim import build_optimizer, param_groups
 from recognition.precision import Precision
+from recognition.training.state import load_training_state, training_state
 
 
 def test_atomic_save_leaves_old_file_when_write_fails(tmp_path, monkeypatch):
@@ -234,3 +235,48 @@ def test_training_checkpoint_gives_height_width(tmp_path):
     state["meta"] = {"config": {"model": {"backbone": "x"}, "data": {"image_size": [64, 32]}}}
     path = ckpt.save_checkpoint(tmp_path, 1, state, keep=1)
     assert ckpt.load_backbone_file(path)[1] == (64, 32)
+
+
+def to_dev_full(real_open):
+    """An `open` that sends writes of files named like checkpoint data to /dev/full."""
+
+    def fake_open(file, mode="r", *args, **kwargs):
+        if "w" in mode and (str(file).endswith(".distcp") or ".tmp" in Path(file).name):
+            return real_open("/dev/full", mode, *args, **kwargs)
+        return real_open(file, mode, *args, **kwargs)
+
+    return fake_open
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_full_disk_while_exporting_names_the_file_and_keeps_the_old_one(tmp_path, monkeypatch):
+    import builtins
+
+    path = tmp_path / "backbone.pt"
+    ckpt.atomic_save({"a": torch.ones(3)}, path)
+    monkeypatch.setattr(ckpt, "open", to_dev_full(builtins.open), raising=False)
+    with pytest.raises(OSError, match=rf"writing {path} failed: no space left on device"):
+        ckpt.atomic_save({"a": torch.zeros(1000)}, path)
+    monkeypatch.undo()
+    assert torch.equal(ckpt.load_file(path)["a"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["backbone.pt"]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    ckpt.save_checkpoint(tmp_path, 1, {"w": torch.ones(4)}, keep=3)
+    real_stream = FileSystem.create_stream
+
+    def full_stream(self, path, mode):
+        if str(path).endswith(".distcp") and "w" in mode:
+            return real_stream(self, "/dev/full", mode)
+        return real_stream(self, path, mode)
+
+    monkeypatch.setattr(FileSystem, "create_stream", full_stream)
+    with pytest.raises(OSError, match=r"step_00000002 failed: no space left on device"):
+        ckpt.save_checkpoint(tmp_path, 2, {"w": torch.zeros(4)}, keep=3)
+    monkeypatch.undo()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000001"]
+    assert torch.equal(ckpt.read_checkpoint(ckpt.latest_checkpoint(tmp_path))["w"], torch.ones(4))

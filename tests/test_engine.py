@@ -12,9 +12,9 @@ from PIL import Image
 
 from recognition import checkpoint as ckpt
 from recognition.config import load_config
-from recognition.training import TrainingError, train, train_step
 from recognition.heads import ShardedMarginSoftmax, build_margin
 from recognition.precision import Precision
+from recognition.training import TrainingError, train, train_step
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +166,116 @@ def test_train_step_accumulation_matches_one_big_batch():
     assert two.loss == pytest.approx(one.loss, rel=1e-12)
     for a, b in zip(p_one, p_two, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def nan_after(monkeypatch, good_forwards: int) -> None:
+    """Make the head's loss NaN after `good_forwards` forward passes."""
+    real_forward = ShardedMarginSoftmax.forward
+    calls = {"n": 0}
+
+    def forward(self, embeddings, labels):
+        calls["n"] += 1
+        loss = real_forward(self, embeddings, labels)
+        return loss * float("nan") if calls["n"] > good_forwards else loss
+
+    monkeypatch.setattr(ShardedMarginSoftmax, "forward", forward)
+
+
+def test_nonfinite_stop_says_no_checkpoint_exists_and_advises_only_what_is_unset(
+    image_folder, tmp_path, monkeypatch
+):
+    nan_after(monkeypatch, 1)
+    cfg = tiny_config(
+        image_folder,
+        tmp_path / "run",
+        "train.max_nonfinite_steps=2",
+        "optim.grad_clip=5",
+        "precision.level=O1",
+        "precision.dtype=bf16",
+    )
+    with pytest.raises(TrainingError) as caught:
+        train(cfg)
+    message = str(caught.value)
+    assert "2 non-finite losses in a row" in message
+    assert "No checkpoint was written" in message and "is intact" not in message
+    assert "grad_clip" not in message and "precision.level" not in message  # already so
+    assert "optim.lr" in message
+    assert ckpt.latest_checkpoint(tmp_path / "run") is None
+
+
+def test_nonfinite_stop_names_the_intact_checkpoint_and_suggests_clipping(
+    image_folder, tmp_path, monkeypatch
+):
+    nan_after(monkeypatch, 4)
+    cfg = tiny_config(
+        image_folder,
+        tmp_path / "run",
+        "train.checkpoint_every=2",
+        "train.max_nonfinite_steps=2",
+        "optim.grad_clip=null",
+    )
+    with pytest.raises(TrainingError) as caught:
+        train(cfg)
+    latest = ckpt.latest_checkpoint(tmp_path / "run")
+    assert f"The last checkpoint, {latest}, is intact" in str(caught.value)
+    assert "optim.grad_clip" in str(caught.value)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "metadata"])
+def test_resume_auto_skips_a_damaged_newest_checkpoint(image_folder, tmp_path, damage):
+    common = ("train.checkpoint_every=2", "train.keep_checkpoints=3")
+    run_dir = tmp_path / "run"
+    train(tiny_config(image_folder, run_dir, "train.max_steps=4", *common))
+    newest = ckpt.latest_checkpoint(run_dir)
+    assert newest.name == "step_00000004"
+    data_file = next(newest.glob("*.distcp"))
+    if damage == "truncate":
+        data_file.write_bytes(data_file.read_bytes()[:100])
+    elif damage == "delete":
+        data_file.unlink()
+    else:
+        (newest / ".metadata").write_bytes(b"\x80\x04not a pickle")
+    assert ckpt.verify_checkpoint(newest) is not None
+    assert ckpt.verify_checkpoint(ckpt.checkpoint_path(run_dir, 2)) is None
+    train(tiny_config(image_folder, run_dir, "train.max_steps=6", "train.resume=auto", *common))
+    assert "step_00000004 is damaged" in (run_dir / "train.log").read_text()
+    # Resumed at step 2: steps 3-6 were trained again and logged once each.
+    assert sorted(losses(run_dir)) == list(range(1, 7))
+    assert ckpt.latest_checkpoint(run_dir).name == "step_00000006"
+
+
+def test_an_explicitly_named_damaged_checkpoint_is_refused(image_folder, tmp_path):
+    run_dir = tmp_path / "run"
+    train(tiny_config(image_folder, run_dir, "train.max_steps=2"))
+    latest = ckpt.latest_checkpoint(run_dir)
+    next(latest.glob("*.distcp")).unlink()
+    with pytest.raises(TrainingError, match=r"is damaged: its data file .* is missing"):
+        train(tiny_config(image_folder, tmp_path / "other", f"train.resume={latest}"))
+
+
+def test_deterministic_mode_is_on_during_the_run_and_restored_after(image_folder, tmp_path):
+    import os
+
+    import recognition.training.loop as loop
+
+    seen = {}
+    real = loop._train
+
+    def spy(cfg):
+        seen["algorithms"] = torch.are_deterministic_algorithms_enabled()
+        seen["cudnn"] = torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        seen["cublas"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        return real(cfg)
+
+    before = torch.are_deterministic_algorithms_enabled()
+    loop._train = spy
+    try:
+        train(
+            tiny_config(
+                image_folder, tmp_path / "run", "train.max_steps=2", "train.deterministic=true"
+            )
+        )
+    finally:
+        loop._train = real
+    assert seen == {"algorithms": True, "cudnn": True, "cublas": ":4096:8"}
+    assert torch.are_deterministic_algorithms_enabled() == before

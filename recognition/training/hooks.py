@@ -90,12 +90,28 @@ class NonFiniteGuard(Hook):
             self.in_a_row,
         )
         if self.in_a_row >= run.cfg.train.max_nonfinite_steps:
-            raise TrainingError(
-                f"stopping: {self.in_a_row} non-finite losses in a row at step {step} "
-                "(train.max_nonfinite_steps); lower optim.lr, enable optim.grad_clip or use "
-                f"precision.level=O0/O1. The last checkpoint in {run.run_dir / 'checkpoints'} "
-                "is intact."
-            )
+            raise TrainingError(nonfinite_message(run, self.in_a_row))
+
+
+def nonfinite_message(run: Run, in_a_row: int) -> str:
+    """Why the run stops after `in_a_row` non-finite losses, what to change (only what is not
+    already so), and which checkpoint a resume would continue from."""
+    cfg = run.cfg
+    advice = [f"lower optim.lr (now {cfg.optim.lr:g})"]
+    if cfg.optim.grad_clip is None:
+        advice.append("set optim.grad_clip (e.g. 5)")
+    if cfg.precision.level in ("O2", "O3") or cfg.precision.dtype == "fp16":
+        advice.append("use precision.level=O1 with precision.dtype=bf16, or O0")
+    latest = ckpt.latest_checkpoint(run.run_dir)
+    where = (
+        f"The last checkpoint, {latest}, is intact (train.resume=true continues from it)."
+        if latest is not None
+        else "No checkpoint was written before it (train.checkpoint_every sets how often)."
+    )
+    return (
+        f"stopping: {in_a_row} non-finite losses in a row at step {run.progress.step} "
+        f"(train.max_nonfinite_steps); {', '.join(advice)}. {where}"
+    )
 
 
 class LogWindow(Hook):

@@ -25,6 +25,7 @@ from recognition import distributed
 from recognition.config import ExperimentConfig
 from recognition.logging import MetricsWriter, setup_logging
 from recognition.training.build import Run, build
+from recognition.training.determinism import deterministic_mode
 from recognition.training.hooks import Hook, default_hooks
 from recognition.training.resume import resume, resume_path
 from recognition.training.state import seed_everything
@@ -38,6 +39,11 @@ def train(cfg: ExperimentConfig) -> Path:
 
     Returns the run directory. Every rank must call it with the same config.
     """
+    with deterministic_mode(cfg.train.deterministic):
+        return _train(cfg)
+
+
+def _train(cfg: ExperimentConfig) -> Path:
     # A group made by a caller (a test) is the caller's to tear down; ours is ours.
     owns_group = not (dist.is_available() and dist.is_initialized())
     dist_info = distributed.init_distributed(

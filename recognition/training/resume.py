@@ -120,6 +120,26 @@ def _check_same_classes(meta: dict[str, Any] | None, run: Run, path: Path) -> No
         )
 
 
+def _newest_readable(run_dir: Path) -> Path:
+    """The newest checkpoint of `run_dir` whose files are whole; damaged newer ones are
+    skipped with a warning (a restart must not fail forever on one bad checkpoint)."""
+    found = ckpt.list_checkpoints(run_dir)
+    problems = []
+    for path in reversed(found):
+        problem = ckpt.verify_checkpoint(path)
+        if problem is None:
+            if problems:
+                log.warning("resuming from %s, the newest whole checkpoint", path)
+            return path
+        log.warning("checkpoint %s is damaged (%s): skipping it", path, problem)
+        problems.append(f"{path.name}: {problem}")
+    raise TrainingError(
+        f"train.resume: every checkpoint in {run_dir / 'checkpoints'} is damaged ("
+        + "; ".join(problems)
+        + "); move them aside to start over"
+    )
+
+
 def _pick_checkpoint(resume: bool | str, run_dir: Path) -> Path | None:
     latest = ckpt.latest_checkpoint(run_dir)
     if resume is False:
@@ -135,12 +155,14 @@ def _pick_checkpoint(resume: bool | str, run_dir: Path) -> Path | None:
             raise TrainingError(
                 f"train.resume: no checkpoint in {run_dir / 'checkpoints'} to resume from"
             )
-        return latest
+        return _newest_readable(run_dir) if latest is not None else None
     path = Path(resume)
     if ckpt.is_checkpoint(path):
+        if (problem := ckpt.verify_checkpoint(path)) is not None:
+            raise TrainingError(f"train.resume: {path} is damaged: {problem}")
         return path
-    if path.is_dir() and (found := ckpt.latest_checkpoint(path)) is not None:
-        return found  # a run directory: its latest checkpoint
+    if path.is_dir() and ckpt.latest_checkpoint(path) is not None:
+        return _newest_readable(path)  # a run directory: its latest whole checkpoint
     raise TrainingError(
         f"train.resume: {path} is neither a checkpoint directory (holding .metadata) nor a "
         "run directory with checkpoints"
