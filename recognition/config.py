@@ -232,6 +232,17 @@ class TrainConfig:
     max_nonfinite_steps: int = 5
     """Stop the run after this many non-finite losses in a row."""
     progress: bool = True
+    compile: bool = False
+    """torch.compile the backbone (the head stays eager: its collectives and custom autograd
+    functions gain nothing). The first step compiles (logged once); see the README for when
+    it pays off."""
+    compile_mode: Literal[
+        "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
+    ] = "default"
+    """torch.compile's mode with train.compile."""
+    compile_backend: str = "inductor"
+    """torch.compile's backend: inductor (the one that makes kernels), or aot_eager / eager to
+    tell a compiler problem from a model problem (they trace but do not speed up)."""
     deterministic: bool = False
     """Reproducible kernels: torch.use_deterministic_algorithms, cuDNN deterministic and not
     benchmarking, CUBLAS_WORKSPACE_CONFIG=:4096:8. Costs GPU speed (cuDNN cannot pick its

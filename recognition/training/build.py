@@ -51,8 +51,10 @@ class Run:
     sampler: Any
     loader: DataLoader
     backbone: nn.Module
-    """The bare backbone; `model` is the same, wrapped in DDP with several ranks."""
+    """The bare backbone (what checkpoints and exports hold)."""
     model: nn.Module
+    """What the step calls: the backbone, wrapped in DDP with several ranks, compiled with
+    train.compile."""
     head: ShardedMarginSoftmax
     precision: Precision
     optimizer: torch.optim.Optimizer
@@ -144,6 +146,12 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
         device = dist_info.device
         model = DistributedDataParallel(
             backbone, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    if cfg.train.compile:
+        # Compiled over the DDP wrapper, so that DDP's optimizer splits the graph at its
+        # gradient buckets and all-reduces overlap the backward pass.
+        model = torch.compile(
+            model, mode=cfg.train.compile_mode, backend=cfg.train.compile_backend
         )
     groups = param_groups([backbone, head], cfg.optim.weight_decay)
     optimizer = build_optimizer(precision.param_groups(groups), cfg.optim)

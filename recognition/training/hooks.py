@@ -62,6 +62,7 @@ def default_hooks(run: Run, metrics: MetricsWriter) -> list[Hook]:
     after the evaluation that ran at the same step), the progress bar last.
     """
     return [
+        FirstStepTimer(),
         NonFiniteGuard(),
         LogWindow(metrics),
         PeriodicEvaluation(run.cfg, run.dist_info, metrics),
@@ -69,6 +70,20 @@ def default_hooks(run: Run, metrics: MetricsWriter) -> list[Hook]:
         BadImageReport(),
         ProgressBar(),
     ]
+
+
+class FirstStepTimer(Hook):
+    """Logs how long the first step took once: with train.compile, mostly compilation."""
+
+    def before_train(self, run: Run) -> None:
+        self.start: float | None = time.perf_counter()
+
+    def after_step(self, run: Run, result: StepResult) -> None:
+        if self.start is None:
+            return
+        what = "compiling the backbone" if run.cfg.train.compile else "the first step"
+        log.info("%s took %.1f s", what, time.perf_counter() - self.start)
+        self.start = None
 
 
 class NonFiniteGuard(Hook):

@@ -36,10 +36,10 @@ def train_step(
 ) -> StepResult:
     """One optimizer step over `micro_batches` (gradient accumulation when more than one).
 
-    `backbone` may be wrapped in DistributedDataParallel; its gradients are then all-reduced
-    once, in the last micro-batch's backward. `head` is the class-sharded margin softmax:
-    its share of the gradient norm is summed over ranks (`global_grad_norm`), so that every
-    rank clips by the same global norm.
+    `backbone` may be wrapped in DistributedDataParallel (and compiled); its gradients are
+    then all-reduced once, in the last micro-batch's backward. `head` is the class-sharded
+    margin softmax: its share of the gradient norm is summed over ranks
+    (`global_grad_norm`), so that every rank clips by the same global norm.
 
     Each micro-batch's loss is divided by their number before backward, so the gradient is
     that of the mean loss over all of them. A non-finite loss skips the whole step: the
@@ -47,11 +47,13 @@ def train_step(
     is the same on every rank (the head reduces over the global batch), so ranks skip alike.
     """
     num_micro = len(micro_batches)
+    # A compiled model keeps its DDP wrapper inside (torch.compile's OptimizedModule).
+    is_ddp = isinstance(getattr(backbone, "_orig_mod", backbone), DistributedDataParallel)
     precision.zero_grad(optimizer)
     losses, accuracies = [], []
     for index, (images, labels) in enumerate(micro_batches):
         # DDP would all-reduce after every backward; the sum is only needed after the last.
-        defer_sync = isinstance(backbone, DistributedDataParallel) and index < num_micro - 1
+        defer_sync = is_ddp and index < num_micro - 1
         with backbone.no_sync() if defer_sync else contextlib.nullcontext():  # type: ignore[operator]
             with precision.autocast():
                 embeddings = backbone(precision.cast_inputs(images))  # (B, D)
