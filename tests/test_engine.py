@@ -305,3 +305,18 @@ def test_compiled_backbone_trains_like_the_eager_one(image_folder, tmp_path):
     names = ckpt.read_checkpoint(ckpt.latest_checkpoint(compiled)).keys()
     assert names == ckpt.read_checkpoint(ckpt.latest_checkpoint(eager)).keys()
     assert "compiling the backbone took" in (compiled / "train.log").read_text()
+
+
+def test_training_uses_one_loader_iterator_across_epochs(image_folder, tmp_path, monkeypatch):
+    """The loop never re-creates the DataLoader iterator at an epoch boundary, so its
+    workers keep loading ahead into the next epoch."""
+    from torch.utils.data import DataLoader
+
+    calls = []
+    real_iter = DataLoader.__iter__
+    monkeypatch.setattr(DataLoader, "__iter__", lambda self: calls.append(1) or real_iter(self))
+    run_dir = train(
+        tiny_config(image_folder, tmp_path / "run", "train.max_steps=12")
+    )  # 9 per epoch
+    assert (run_dir / "metrics.jsonl").read_text().count('"loss"') == 12
+    assert len(calls) == 1

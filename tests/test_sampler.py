@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -56,3 +58,20 @@ def test_no_flip_when_disabled():
     for key in ResumableSampler(37, seed=0):
         x, _ = view[key]
         assert x[0, 0, 0] < x[0, 0, -1]
+
+
+def test_epoch_batches_are_the_epochs_batches_in_a_row():
+    """EpochBatches = per epoch, the sampler's order cut into batches (the rest dropped),
+    epoch after epoch; start_at(epoch, batch) begins mid-epoch."""
+    from recognition.data.sampler import EpochBatches, ResumableSampler
+
+    sampler = ResumableSampler(23, num_replicas=2, rank=1, seed=5)
+    expected = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        keys = list(sampler)  # 11 samples of this rank: batches of 4, the last 3 dropped
+        expected += [keys[i : i + 4] for i in (0, 4)]
+    batches = EpochBatches(ResumableSampler(23, num_replicas=2, rank=1, seed=5), 4, 2)
+    assert list(itertools.islice(iter(batches), 6)) == expected
+    batches.start_at(1, 1)
+    assert list(itertools.islice(iter(batches), 3)) == expected[3:6]

@@ -178,3 +178,45 @@ class IdentityBalancedSampler(Sampler[tuple[int, int]]):
             indices[self.start :].tolist(), positions[self.start :].tolist(), strict=True
         ):
             yield index, sample_seed(self.seed, self.epoch, position)
+
+
+class EpochBatches(Sampler[list[tuple[int, int]]]):
+    """The batches of every epoch of a run, one epoch after the other, as one sequence.
+
+    A DataLoader's `batch_sampler` for the whole run: its workers keep loading ahead across
+    epoch boundaries, instead of starting again (and the GPU waiting) at each new epoch's
+    iterator. Epoch `e` is `sampler.set_epoch(e)`'s order cut into `batches_per_epoch`
+    batches of `batch_size` (the rest of the epoch is dropped, as a DataLoader with
+    drop_last and a trailing incomplete step would drop it). `start_at(epoch, batch)` picks
+    where the sequence begins (a resumed run's position). Iteration never ends: the
+    caller takes as many batches as it trains on.
+    """
+
+    def __init__(self, sampler: Sampler, batch_size: int, batches_per_epoch: int) -> None:
+        if batch_size < 1 or batches_per_epoch < 1:
+            raise ValueError("EpochBatches: batch_size and batches_per_epoch must be >= 1")
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.batches_per_epoch = batches_per_epoch
+        self.epoch = 0
+        self.batch = 0
+
+    def start_at(self, epoch: int, batch: int = 0) -> None:
+        """Begin the next iteration at batch `batch` of epoch `epoch`."""
+        self.epoch, self.batch = epoch, batch
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch, skip = self.epoch, self.batch
+        while True:
+            self.sampler.set_epoch(epoch, start=skip * self.batch_size)  # type: ignore[attr-defined]
+            batch: list[tuple[int, int]] = []
+            remaining = self.batches_per_epoch - skip
+            for key in self.sampler:
+                if remaining == 0:
+                    break
+                batch.append(key)
+                if len(batch) == self.batch_size:
+                    yield batch
+                    batch = []
+                    remaining -= 1
+            epoch, skip = epoch + 1, 0

@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from recognition import distributed
 from recognition.config import ExperimentConfig, config_to_dict, save_config
 from recognition.data.build import build_sampler, build_train_dataset, loader_options
-from recognition.data.sampler import AugmentedView
+from recognition.data.sampler import AugmentedView, EpochBatches
 from recognition.data.source import TrainSource
 from recognition.data.synthetic import ensure_synthetic_dataset
 from recognition.distributed import DistInfo
@@ -48,7 +48,8 @@ class Run:
     dist_info: DistInfo
     data: TrainSource
     """The training images (no augmentation); `loader` reads them through AugmentedView."""
-    sampler: Any
+    batches: EpochBatches
+    """The run's batch order (start_at before iterating `loader`)."""
     loader: DataLoader
     backbone: nn.Module
     """The bare backbone (what checkpoints and exports hold)."""
@@ -108,7 +109,7 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
     Writes config.yaml (and, unless `resuming`, classes.txt: a resumed run's classes are
     checked against its checkpoint first) into the run directory on rank 0.
     """
-    data, sampler, loader = _build_data(cfg, dist_info)
+    data, sampler = _build_data(cfg, dist_info)
     steps_per_epoch = len(sampler) // cfg.train.batch_size // cfg.train.accumulate_steps
     if steps_per_epoch < 1:
         raise TrainingError(
@@ -129,6 +130,18 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
         if not resuming:
             data.write_classes(cfg.run_dir / "classes.txt")
 
+    # One batch sequence for the whole run (EpochBatches): the workers load across epochs.
+    batches = EpochBatches(
+        sampler, cfg.train.batch_size, steps_per_epoch * cfg.train.accumulate_steps
+    )
+    loader = DataLoader(
+        AugmentedView(data, flip=cfg.data.flip),
+        batch_sampler=batches,
+        # Its own generator: creating the iterator must not draw from the global RNG, or a
+        # run resumed mid-epoch would see different dropout / sampling draws.
+        generator=torch.Generator().manual_seed(cfg.seed + dist_info.rank),
+        **loader_options(cfg.data, dist_info.device),
+    )
     memory_format = torch.channels_last if cfg.data.channels_last else torch.preserve_format
     backbone, head = _build_model(cfg, dist_info, data.num_classes, memory_format)
     precision = Precision(
@@ -150,9 +163,7 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
     if cfg.train.compile:
         # Compiled over the DDP wrapper, so that DDP's optimizer splits the graph at its
         # gradient buckets and all-reduces overlap the backward pass.
-        model = torch.compile(
-            model, mode=cfg.train.compile_mode, backend=cfg.train.compile_backend
-        )
+        model = torch.compile(model, mode=cfg.train.compile_mode, backend=cfg.train.compile_backend)
     groups = param_groups([backbone, head], cfg.optim.weight_decay)
     optimizer = build_optimizer(precision.param_groups(groups), cfg.optim)
     # Partial FC: the optimizer must only move the class rows sampled for the step (under
@@ -171,7 +182,7 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
         cfg=cfg,
         dist_info=dist_info,
         data=data,
-        sampler=sampler,
+        batches=batches,
         loader=loader,
         backbone=backbone,
         model=model,
@@ -187,7 +198,7 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
     )
 
 
-def _build_data(cfg: ExperimentConfig, dist_info: DistInfo) -> tuple[TrainSource, Any, DataLoader]:
+def _build_data(cfg: ExperimentConfig, dist_info: DistInfo) -> tuple[TrainSource, Sampler]:
     if cfg.data.synthetic.enabled:
         if dist_info.is_main:
             ensure_synthetic_dataset(Path(cfg.data.synthetic.root), cfg.data.synthetic.spec())
@@ -199,9 +210,8 @@ def _build_data(cfg: ExperimentConfig, dist_info: DistInfo) -> tuple[TrainSource
     )
     # data.sampler=random is DistributedSampler's order: one permutation per epoch (the same
     # on every rank), rank r taking every W-th sample, the tail that does not divide by W
-    # dropped; pk is P identities x K images per batch, whole groups per rank. The
-    # DataLoader drops an incomplete last batch too, so every rank runs the same number of
-    # steps.
+    # dropped; pk is P identities x K images per batch, whole groups per rank. Incomplete
+    # last batches are dropped too, so every rank runs the same number of steps.
     sampler = build_sampler(
         cfg.data,
         data.labels,
@@ -210,17 +220,7 @@ def _build_data(cfg: ExperimentConfig, dist_info: DistInfo) -> tuple[TrainSource
         rank=dist_info.rank,
         seed=cfg.seed,
     )
-    loader = DataLoader(
-        AugmentedView(data, flip=cfg.data.flip),
-        batch_size=cfg.train.batch_size,
-        sampler=sampler,
-        drop_last=True,
-        # Its own generator: creating an epoch's iterator must not draw from the global RNG,
-        # or a run resumed mid-epoch would see different dropout / sampling draws.
-        generator=torch.Generator().manual_seed(cfg.seed + dist_info.rank),
-        **loader_options(cfg.data, dist_info.device),
-    )
-    return data, sampler, loader
+    return data, sampler
 
 
 def _build_model(

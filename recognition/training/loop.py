@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -89,17 +90,19 @@ def run_loop(run: Run, hooks: list[Hook], step_fn: Callable = train_step) -> Non
     device, memory_format = run.dist_info.device, run.memory_format
     for hook in hooks:
         hook.before_train(run)
+    # One iterator for the whole run: the loader's workers keep loading across epochs.
+    run.batches.start_at(progress.epoch, progress.batches_done)
+    batches = iter(run.loader)
     while progress.step < run.last_step:
-        run.sampler.set_epoch(progress.epoch, start=progress.batches_done * cfg.train.batch_size)
         for hook in hooks:
             hook.before_epoch(run)
-        for micro_batches in _grouped(run.loader, cfg.train.accumulate_steps):
+        while progress.step < run.last_step and not run.end_of_epoch:
             micro_batches = [
                 (
                     x.to(device, non_blocking=True, memory_format=memory_format),
                     y.to(device, non_blocking=True),
                 )
-                for x, y in micro_batches
+                for x, y in itertools.islice(batches, cfg.train.accumulate_steps)
             ]
             result = step_fn(
                 run.model,
@@ -115,8 +118,6 @@ def run_loop(run: Run, hooks: list[Hook], step_fn: Callable = train_step) -> Non
                 progress.step += 1
             for hook in hooks:
                 hook.after_step(run, result)
-            if progress.step >= run.last_step or run.end_of_epoch:
-                break
         # Collective hooks here: every rank leaves the epoch's loop at the same step.
         for hook in hooks:
             hook.after_epoch(run)
@@ -145,13 +146,3 @@ def _finish(run: Run) -> None:
             cfg, model, run.dist_info.device, progress=cfg.train.progress
         )
         report(results, json_path=cfg.run_dir / "eval.json", roc_path=cfg.run_dir / "roc.png")
-
-
-def _grouped(loader: Iterable, size: int) -> Iterator[list]:
-    """Yield lists of `size` consecutive batches; a trailing incomplete group is dropped."""
-    group: list = []
-    for batch in loader:
-        group.append(batch)
-        if len(group) == size:
-            yield group
-            group = []
