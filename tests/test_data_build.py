@@ -19,8 +19,8 @@ from recognition.data.image_folder import ImageFolderDataset
 from recognition.data.market_train import Market1501TrainDataset
 from recognition.data.recordio import RecordIODataset
 from recognition.data.sampler import IdentityBalancedSampler
-from recognition.training import TrainingError, train
 from recognition.evaluation.run import load_backbone
+from recognition.training import TrainingError, train
 
 
 def jpeg(seed: int, mode: str = "RGB", size: int = 24) -> bytes:

@@ -12,8 +12,8 @@ from PIL import Image
 
 from recognition import checkpoint as ckpt
 from recognition.config import ConfigError, config_from_dict, load_config
-from recognition.training import train
 from recognition.evaluation.run import evaluate_targets, load_backbone
+from recognition.training import train
 
 
 @pytest.fixture(scope="module")
