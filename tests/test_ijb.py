@@ -270,6 +270,8 @@ def test_metrics_equal_scikit_learn_on_the_same_scores():
         ("name_5pts_score", 2, "2.jpg 1 2 3 4 5 6 7 8 9 ten 0.9", "must be numbers"),
         ("name_5pts_score", 5, "5.jpg 1 2 3 4 5 6 7 8 9 nan 0.9", "finite"),
         ("name_5pts_score", 1, "1.jpg 1 2 3 4 5 6 7 8 9 10", "expected 12 fields"),
+        ("name_5pts_score", 3, "3.jpg 4 4 4 4 4 4 4 4 4 4 0.9", "coincide"),
+        ("name_5pts_score", 3, "3.jpg 1 2 3 4 5 6 7 8 9 10 -1", "score must be >= 0"),
     ],
 )
 def test_malformed_meta_line_names_file_and_line(tmp_path, file, line, bad, message, capsys):

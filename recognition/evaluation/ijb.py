@@ -175,6 +175,9 @@ def read_landmarks(path: Path) -> dict[str, tuple[np.ndarray, float, int]]:
             raise ValueError(f"{where}: landmarks and score must be finite numbers")
         if values[-1] < 0:
             raise ValueError(f"{where}: detector score must be >= 0, got {fields[-1]}")
+        if np.ptp(values[:10].reshape(5, 2), axis=0).max() <= 0:
+            # No similarity maps five identical points onto the template.
+            raise ValueError(f"{where}: the five landmarks coincide")
         if name in entries:
             raise ValueError(f"{where}: image {name!r} already listed on line {entries[name][2]}")
         entries[name] = (values[:10].reshape(5, 2).astype(np.float32), float(values[-1]), number)
