@@ -6,6 +6,7 @@
   python evaluate.py --checkpoint CKPT --images FOLDER --export-embeddings EMB.npz
   python evaluate.py --embeddings EMB.npz --pairs PAIRS [--json OUT.json]
   python evaluate.py --embeddings EMB.npz --reid   # paths query/..., bounding_box_test/...
+  python evaluate.py --checkpoint CKPT --ijb IJB_ROOT --ijb-name ijbc [--save-features F.npz]
   python evaluate.py                      # the last run of the default config
 
 CKPT is a run's backbone.pt or any of its training checkpoints. `--roc roc.png` draws the
@@ -56,6 +57,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "ROOT/bounding_box_test; with --embeddings no ROOT is needed",
     )
     parser.add_argument(
+        "--ijb",
+        type=Path,
+        metavar="ROOT",
+        help="IJB-B/C 1:1 template verification on ROOT/meta and ROOT/loose_crop",
+    )
+    parser.add_argument("--ijb-name", choices=["ijbb", "ijbc"], help="which IJB set ROOT holds")
+    parser.add_argument(
+        "--ijb-score-weight",
+        action="store_true",
+        help="weigh each image's feature by its detector score before pooling",
+    )
+    parser.add_argument(
+        "--save-features",
+        type=Path,
+        metavar="F.npz",
+        help="with --ijb: the image features are read from F.npz when it exists (no model "
+        "runs), else computed and written there",
+    )
+    parser.add_argument(
         "--config",
         default="default",
         help="with no --checkpoint/--embeddings: the config whose last run to "
@@ -103,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         image_size_arg = None
         if args.image_size is not None:
             image_size_arg = parse_image_size(args.image_size, "--image-size")
+        if args.ijb is not None:
+            return _ijb(args, image_size_arg)
         if args.embeddings is not None:
             results, is_reid = _from_embeddings(args, run), args.reid is not None
         else:
@@ -169,6 +191,31 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _ijb(args: argparse.Namespace, image_size: tuple[int, int] | None) -> int:
+    """IJB-B/C verification (--ijb): the table, and JSON / ROC when asked."""
+    from recognition.distributed import pick_device
+    from recognition.evaluation import ijb
+
+    if args.embeddings is not None or args.pairs or args.bin or args.reid is not None:
+        raise ValueError("--ijb: takes --checkpoint, not --embeddings, --pairs, --bin or --reid")
+    if args.ijb_name is None:
+        raise ValueError("--ijb: needs --ijb-name ijbb or ijbc")
+    results = ijb.evaluate_ijb(
+        args.ijb,
+        args.ijb_name,
+        checkpoint=args.checkpoint,
+        features_path=args.save_features,
+        image_size=image_size,
+        score_weight=args.ijb_score_weight,
+        batch_size=args.batch_size,
+        flip=not args.no_flip,
+        device=pick_device(args.device),
+        num_workers=args.workers,
+    )
+    ijb.report_ijb(results, json_path=args.json, roc_path=args.roc)
     return 0
 
 

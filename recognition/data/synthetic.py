@@ -61,6 +61,7 @@ GENERATOR_VERSION = 1
 _TRAIN_STREAM = 0
 _VAL_STREAM = 1
 _PAIRS_STREAM = 2
+_FACES_STREAM = 3
 
 
 @dataclass
@@ -519,6 +520,32 @@ def _draw_glasses(c: _Canvas, p: dict) -> None:
             fill=frame,
             width=c.width(0.012),
         )
+
+
+def face_landmarks(p: dict) -> np.ndarray:
+    """The five landmarks (5, 2) of identity `p` in face units, in the order of aligned-face
+    templates: the eye on the image's left, the other eye, the nose tip, the mouth corner on
+    the image's left, the other corner (where `_render_template` draws them)."""
+    nose_y = p["eye_y"] + 0.02 + p["nose_len"]
+    mouth_y = p["mouth_y"] + p["mouth_curve"]  # the lips' midline at the corners
+    return np.array(
+        [
+            [0.5 - p["eye_dx"], p["eye_y"]],
+            [0.5 + p["eye_dx"], p["eye_y"]],
+            [0.5, nose_y],
+            [0.5 - p["mouth_w"], mouth_y],
+            [0.5 + p["mouth_w"], mouth_y],
+        ]
+    )
+
+
+def draw_face(seed: int, index: int, size: int) -> tuple[Image.Image, np.ndarray]:
+    """Face `index` of its own stream (disjoint from the train and val identities of `seed`),
+    front-on and centred: (RGBA image of side `size`, transparent around the head; its five
+    landmarks (5, 2) in pixels, pixel centres at integers, in `face_landmarks` order)."""
+    params = _sample_identity(np.random.default_rng([seed, _FACES_STREAM, index]))
+    image = _render_template(params, size * TEMPLATE_OVERSAMPLING).reduce(TEMPLATE_OVERSAMPLING)
+    return image, face_landmarks(params) * size - 0.5
 
 
 @functools.lru_cache(maxsize=8)

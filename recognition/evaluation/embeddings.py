@@ -83,8 +83,12 @@ def extract_embeddings(
     num_workers: int = 0,
     progress: bool = True,
     return_norms: bool = False,
+    normalize: bool = True,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Embeddings (N, D) float32, L2-normalised, of every image, in dataset order.
+
+    With ``normalize=False`` the rows are the raw outputs (flip summed), whose norms
+    protocols that pool several images per subject use as weights.
 
     With ``return_norms`` also returns the L2 norm (N,) of the model's raw output for each
     (unflipped) image; their mean is the "XNorm" that insightface reports, a sign of how
@@ -120,9 +124,11 @@ def extract_embeddings(
     model.eval()
     chunks: list[torch.Tensor] = []
     norm_chunks: list[torch.Tensor] = []
+    total = len(loader.dataset) if hasattr(loader.dataset, "__len__") else None
+    bar = tqdm(total=total, desc="embeddings", unit="image", disable=not progress)
     try:
         with torch.no_grad():
-            for batch in tqdm(loader, desc="embeddings", unit="batch", disable=not progress):
+            for batch in loader:
                 if isinstance(batch, list | tuple):
                     batch = batch[0]
                 if not isinstance(batch, torch.Tensor) or batch.ndim != 4:
@@ -147,8 +153,10 @@ def extract_embeddings(
                 norm_chunks.append(out[:num_images].norm(dim=1).cpu())
                 if flip:
                     out = out[:num_images] + out[num_images:]  # (B, D)
-                chunks.append(F.normalize(out, dim=1).cpu())
+                chunks.append((F.normalize(out, dim=1) if normalize else out).cpu())
+                bar.update(num_images)
     finally:
+        bar.close()
         model.train(was_training)
     if not chunks:
         raise ValueError("images: the dataset is empty")

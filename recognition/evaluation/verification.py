@@ -123,14 +123,24 @@ def tar_at_far(
     """
     scores = np.asarray(scores, dtype=np.float64)
     issame = np.asarray(issame, dtype=bool)
-    impostor = np.sort(scores[~issame])[::-1]  # descending
+    return tar_at_far_sorted(np.sort(scores[issame]), np.sort(scores[~issame])[::-1], far)
+
+
+def tar_at_far_sorted(
+    genuine: np.ndarray, impostor: np.ndarray, far: float
+) -> tuple[float, float] | tuple[None, None]:
+    """:func:`tar_at_far` from genuine scores sorted ascending and impostors descending.
+
+    For callers that need several FARs of millions of pairs and sort once.
+    """
     # The small slack keeps far * n from rounding down below an integer (1e-3 * 3000).
     num_accepted = int(np.floor(far * len(impostor) + 1e-9))
     if num_accepted < 1:
         return None, None
     threshold = float(impostor[num_accepted]) if num_accepted < len(impostor) else -np.inf
-    tar = float(np.mean(scores[issame] > threshold))
-    return tar, threshold
+    # Genuine scores strictly above the threshold, counted in the sorted array.
+    num_above = len(genuine) - int(np.searchsorted(genuine, threshold, side="right"))
+    return num_above / len(genuine), threshold
 
 
 def evaluate_verification(
