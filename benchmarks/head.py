@@ -2,6 +2,9 @@
 
     python -m benchmarks.head                       # the default CPU grid, up to 1M classes
     python -m benchmarks.head --classes 10000 --steps 2 --json head.json
+    python -m benchmarks.head --device cuda --autocast bfloat16 --world-size 1 --no-single \
+        --methods sharded --kernel triton --fused-update --batch-size 1024 \
+        --embedding-size 512 --classes 1000000 10000000 --max-classes-search
 
 For each number of classes C of the grid (global batch N, embedding size D), one training
 step of the head - forward, backward, SGD step (momentum 0.9) - is timed for:
@@ -33,6 +36,15 @@ the next. Per rank it reports:
 - bytes sent per step by the rank, counted from the tensors handed to torch.distributed under
   ring algorithms: all-gather (W-1) x input, reduce-scatter (W-1)/W x input, all-reduce
   2 (W-1)/W x tensor, gather/scatter the slices that leave the rank.
+
+`--kernel torch|triton` picks the sharded head's implementation (`head.kernel`; triton needs
+CUDA, or runs in Triton's interpreter on CPU for a tiny smoke size), `--fused-update` makes
+its backward apply the SGD step (`head.fused_update`, triton only). 'useful TFLOP/s' is
+6 N D C_rank / step time (the forward and backward matmuls a step needs, whatever is
+recomputed) and '% mm' is that against the plain matmul of the autocast dtype timed in the
+same run. `--max-classes-search` then looks for the largest class count per rank that one
+step of the first sharded method fits in (doubling, then bisection to 1 %, each try a fresh
+process).
 
 Ratios are against `naive` measured in the same run. Weight decay is 0: torch's SGD adds it
 into a new weight-sized tensor at every step, the same for every method, which would hide
@@ -81,6 +93,8 @@ class Case:
     threads: int
     device: str
     autocast: str | None
+    kernel: str = "torch"
+    fused_update: bool = False
 
 
 # ---------------------------------------------------------------- measurement helpers
@@ -184,9 +198,11 @@ def _build(case: Case, rank: int, device):
     if case.method.startswith("sharded"):
         chunk = case.chunk_size if case.method == "sharded-chunked" else None
         head = ShardedMarginSoftmax(
-            case.num_classes, case.embedding_size, margin, chunk_size=chunk
+            case.num_classes, case.embedding_size, margin, chunk_size=chunk, kernel=case.kernel
         ).to(device)
         optimizer = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
+        if case.fused_update:  # the backward steps the rows; optimizer.step() skips them
+            head.attach_fused_update(optimizer)
 
         def step():
             optimizer.zero_grad(set_to_none=True)
@@ -350,6 +366,7 @@ def run_rank(case: Case, rank: int, rendezvous: str) -> dict:
         "step_s": statistics.median(times),
         "peak_bytes": peak,
         "floor_bytes": 3 * num_rows * case.embedding_size * 4,
+        "num_rows": num_rows,
         "bytes_sent_per_step": bytes_sent,
         "collectives_per_step": calls,
         "peak_method": peak_method,
@@ -390,6 +407,8 @@ def matmul_gflops(device_name: str, threads: int, dtype_name: str | None) -> flo
 def run_case(case: Case, timeout_s: float) -> dict:
     """Launch the case's ranks as fresh processes and merge what they report."""
     env = dict(os.environ, OMP_NUM_THREADS=str(case.threads))
+    if case.kernel == "triton" and case.device == "cpu":
+        env["TRITON_INTERPRET"] = "1"  # a smoke run only: the interpreter is very slow
     with tempfile.TemporaryDirectory() as tmp:
         rendezvous = str(Path(tmp) / "rendezvous")
         procs = [
@@ -443,11 +462,41 @@ def run_case(case: Case, timeout_s: float) -> dict:
         "peak_max_over_min": max(peaks) / max(min(peaks), 1),
         "extra_bytes_max": max(extras),
         "floor_bytes_max": max(r["floor_bytes"] for r in ranks),
+        "classes_per_rank_max": max(r["num_rows"] for r in ranks),
         "bytes_sent_per_step_max": max(r["bytes_sent_per_step"] for r in ranks),
         "collectives_per_step": ranks[0]["collectives_per_step"],
         "peak_method": ranks[0]["peak_method"],
         "ranks": ranks,
     }
+
+
+def useful_tflops(case: Case, result: dict) -> float:
+    """6 N D C_rank / step time: the matmul work a step needs, recomputation not counted."""
+    num_rows = result["classes_per_rank_max"]
+    return 6 * case.batch_size * case.embedding_size * num_rows / result["step_s"] / 1e12
+
+
+def largest_class_count(case: Case, timeout_s: float, start: int) -> tuple[int, list[dict]]:
+    """The largest classes per rank for which one step of `case` runs: doubling from
+    `start`, then bisection to 1 %; every try in fresh processes. Returns (count, tries)."""
+    tries: list[dict] = []
+
+    def fits(num_local: int) -> bool:
+        trial = Case(**{**asdict(case), "num_classes": num_local * case.world_size,
+                        "steps": 1, "warmup": 0})  # fmt: skip
+        result = run_case(trial, timeout_s)
+        tries.append({"classes_per_rank": num_local, "error": result.get("error")})
+        outcome = result.get("error") or "fits"
+        print(f"  {num_local:,} classes per rank: {outcome}", file=sys.stderr)
+        return "error" not in result
+
+    low, high = 0, start
+    while fits(high):
+        low, high = high, high * 2
+    while high - low > max(1, low // 100):
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low, tries
 
 
 def head_flops(case: Case) -> float:
@@ -470,6 +519,7 @@ def _bytes(value: float) -> str:
 def print_table(results: list[dict], reference_gflops: float) -> None:
     header = (
         f"{'classes':>9} {'method':<16} {'W':>2} {'ms/step':>9} {'x naive':>7} {'GFLOP/s':>8} "
+        f"{'useful TFLOP/s':>14} {'% mm':>5} "
         f"{'peak MiB':>9} {'floor':>7} {'extra':>7} {'x naive':>8} {'max/min':>7} "
         f"{'sent/step':>10}"
     )
@@ -482,6 +532,7 @@ def print_table(results: list[dict], reference_gflops: float) -> None:
             print(f"{name} ERROR: {r['error']}")
             continue
         base = naive.get(r["num_classes"])
+        percent_of_matmul = 100 * r["useful_tflops"] * 1e3 / reference_gflops
         time_ratio = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
         extra_ratio = (
             f"{r['extra_bytes_max'] / base['extra_bytes_max']:.3f}"
@@ -490,6 +541,7 @@ def print_table(results: list[dict], reference_gflops: float) -> None:
         )
         print(
             f"{name} {r['step_s'] * 1e3:>9,.1f} {time_ratio:>7} {r['gflops']:>8.1f} "
+            f"{r['useful_tflops']:>14.3f} {percent_of_matmul:>5.1f} "
             f"{_mib(r['peak_bytes_max']):>9} {_mib(r['floor_bytes_max']):>7} "
             f"{_mib(r['extra_bytes_max']):>7} {extra_ratio:>8} {r['peak_max_over_min']:>7.2f} "
             f"{_bytes(r['bytes_sent_per_step_max']):>10}"
@@ -521,6 +573,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--autocast", default=None, choices=["bfloat16", "float16"])
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument(
+        "--kernel", default="torch", choices=["torch", "triton"], help="the sharded head's kernel"
+    )
+    parser.add_argument(
+        "--fused-update", action="store_true", help="the backward applies SGD (triton only)"
+    )
+    parser.add_argument(
+        "--max-classes-search", action="store_true", help="search the largest classes that fit"
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
@@ -530,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
         case = Case(**json.loads(args.worker))
         print(json.dumps(run_rank(case, args.rank, args.rendezvous)), flush=True)
         return 0
+    if args.fused_update and args.kernel != "triton":
+        parser.error("--fused-update needs --kernel triton")
     if args.batch_size % args.world_size:
         parser.error(
             f"--batch-size {args.batch_size} must be divisible by --world-size {args.world_size}"
@@ -545,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
                 cases.append(
                     Case(method, world_size, num_classes, args.batch_size, args.embedding_size,
                          args.chunk_size, args.steps, args.warmup, args.threads, args.device,
-                         args.autocast)
+                         args.autocast, args.kernel, args.fused_update)
                 )  # fmt: skip
     reference_gflops = matmul_gflops(args.device, args.threads, args.autocast)
     results = []
@@ -556,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run_case(case, args.timeout)
         if "error" not in result:
             result["gflops"] = head_flops(case) / result["step_s"] / 1e9
+            result["useful_tflops"] = useful_tflops(case, result)
         results.append(result)
     print(
         f"head benchmark: global batch {args.batch_size}, embedding {args.embedding_size}, "
@@ -563,11 +627,27 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.steps} timed steps after {args.warmup} warm-up\n"
     )
     print_table(results, reference_gflops)
+    search = None
+    sharded = [c for c in cases if c.method.startswith("sharded")]
+    if args.max_classes_search and sharded:
+        case = sharded[-1]
+        print(f"searching the largest class count for {case.method} W={case.world_size} ...",
+              file=sys.stderr)  # fmt: skip
+        start = max(c.num_classes for c in sharded) // case.world_size
+        largest, tries = largest_class_count(case, args.timeout, start)
+        search = {"method": case.method, "world_size": case.world_size,
+                  "largest_classes_per_rank": largest, "tries": tries}  # fmt: skip
+        print(
+            f"\nlargest class count that fits: {largest:,} classes per rank ({case.method}, "
+            f"kernel {case.kernel}{', fused update' if case.fused_update else ''}, "
+            f"N {case.batch_size}, D {case.embedding_size})"
+        )
     if args.json is not None:
         payload = {
             "settings": vars(args) | {"json": str(args.json)},
             "reference_gflops": reference_gflops,
             "results": results,
+            "max_classes_search": search,
         }
         args.json.write_text(json.dumps(payload, indent=2, default=str))
     return 0

@@ -154,6 +154,13 @@ class HeadConfig:
     """Classes per logit chunk, recomputed in backward (memory O(batch x chunk_size));
     None keeps the logits of the whole shard for backward (faster, memory O(batch x
     classes per rank)). None is never replaced by a size chosen automatically."""
+    kernel: Literal["auto", "triton", "torch"] = "auto"
+    """The head's local statistics: torch (the reference code), triton (fused kernels, CUDA
+    or TRITON_INTERPRET=1) or auto (torch until the kernel is measured on a GPU)."""
+    fused_update: bool = False
+    """Apply the head's SGD step inside the Triton backward (no weight-sized gradient).
+    Needs head.kernel=triton, optim.name=sgd, optim.grad_clip=null, train.accumulate_steps=1
+    and precision O0, or O1 with bf16."""
 
     def __post_init__(self) -> None:
         if self.margin not in MARGIN_NAMES:
@@ -479,6 +486,10 @@ class ExperimentConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    def __post_init__(self) -> None:
+        if self.head.fused_update:
+            check_fused_update(self)
+
     @property
     def eval_image_hw(self) -> tuple[int, int]:
         """The evaluation input size as (H, W): eval.image_size, else data.image_size."""
@@ -487,6 +498,40 @@ class ExperimentConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir if self.output_dir else Path("runs") / self.name)
+
+
+def check_fused_update(cfg: ExperimentConfig) -> None:
+    """Refuse what head.fused_update cannot honour, naming both keys."""
+    conflicts = []
+    if cfg.head.kernel != "triton":
+        conflicts.append(
+            f"head.kernel={cfg.head.kernel} (the update runs in the Triton backward: set "
+            "head.kernel=triton)"
+        )
+    if cfg.optim.name != "sgd":
+        conflicts.append(f"optim.name={cfg.optim.name} (the fused update is SGD's)")
+    if cfg.optim.grad_clip is not None:
+        conflicts.append(
+            f"optim.grad_clip={cfg.optim.grad_clip} (the head's rows are stepped before the "
+            "gradient norm is known: set optim.grad_clip=null)"
+        )
+    if cfg.train.accumulate_steps != 1:
+        conflicts.append(
+            f"train.accumulate_steps={cfg.train.accumulate_steps} (every backward steps the "
+            "head's rows)"
+        )
+    if cfg.precision.level in ("O2", "O3"):
+        conflicts.append(
+            f"precision.level={cfg.precision.level} (the fused update steps a float32 weight: "
+            "use O0 or O1)"
+        )
+    elif cfg.precision.level == "O1" and cfg.precision.dtype == "fp16":
+        conflicts.append(
+            "precision.dtype=fp16 with precision.level=O1 (loss scaling would scale the "
+            "rows' step: use bf16)"
+        )
+    if conflicts:
+        raise ConfigError("head.fused_update=true cannot be combined with " + "; ".join(conflicts))
 
 
 # --------------------------------------------------------------------------- loading

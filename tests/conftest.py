@@ -1,5 +1,7 @@
 """Shared test setup.
 
+TRITON_INTERPRET=1 (below) for the head's Triton kernels (tests/test_head_triton.py).
+
 One intra-op thread per test process: the suite's tensors are tiny, so threads only add
 spin-waiting, and on a shared 2-core machine two spinning OpenMP threads can slow a test
 by 10x or more. Multi-process tests spawn their own processes, one thread each.
@@ -7,8 +9,15 @@ by 10x or more. Multi-process tests spawn their own processes, one thread each.
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# Triton kernels can only run interpreted on this CPU suite, and `triton.jit` (Triton's own
+# tl.zeros, tl.sum ... included) reads TRITON_INTERPRET when triton is first imported - which
+# any test may cause (torch.compile imports it) - so it is set before anything imports torch.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from recognition.engine import train
 from sklearn.metrics import roc_auc_score, roc_curve
 
 import evaluate
@@ -24,7 +25,6 @@ from recognition.data.alignment import (
     warp_affine,
 )
 from recognition.data.synthetic import draw_face
-from recognition.engine import train
 from recognition.evaluation import ijb
 from recognition.models import build_backbone
 

@@ -36,6 +36,7 @@ def build_head(
         chunk_size=cfg.chunk_size,
         seed=seed,
         device=device,
+        kernel=cfg.kernel,
     )
 
 

@@ -49,6 +49,15 @@ Unsampled rows get a zero gradient, and `attach_optimizer` makes the optimizer l
 alone altogether: no momentum, no weight decay, no update of their optimizer state (see its
 docstring). Evaluation (`.eval()` or no grad) uses every class.
 
+Kernels (`kernel`). "torch" is the code in this module. "triton" runs the local statistics
+and their gradient in the fused kernels of heads/kernels/margin_softmax_triton.py (class
+tiles, online softmax, backward recomputing the logits; no (N, C_local) tensor at all, so
+`chunk_size` has nothing left to bound and is not used), on CUDA tensors, or on CPU tensors
+under TRITON_INTERPRET=1; float64 statistics fall back to torch with one log line. Only the
+Triton path can apply a fused SGD step in backward (`attach_fused_update`). "auto" chooses
+torch everywhere for now, with one log line: the kernel has not yet been measured on a GPU
+(README, "Fused head kernel"); once it has, auto will choose triton on CUDA.
+
 Precision. Inputs and the weight may be half precision, and so may the logits matmul (under
 autocast, the autocast dtype; otherwise the wider of the two input dtypes); embeddings are
 gathered and normalised in float32, and the target cosine, margin, softmax statistics, their
@@ -57,7 +66,12 @@ collectives and the loss are float32, or float64 when the embeddings or the weig
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import logging
 import math
+import os
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -70,6 +84,10 @@ from torch.distributed import ProcessGroup
 from recognition import distributed
 from recognition.heads.margins import Margin
 from recognition.sharded import mark_like, set_row_placement
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("auto", "triton", "torch")
 
 # F.normalize's default eps; raised to the dtype's smallest normal number in float16, where
 # 1e-12 rounds to zero and a zero row would divide 0 by 0.
@@ -259,6 +277,131 @@ class _LocalClassStats(torch.autograd.Function):
         return grad_embeddings, grad_weight, None, None, None, None, None, None
 
 
+def _triton_kernels() -> ModuleType:
+    """heads/kernels/margin_softmax_triton, imported on first use (it reads TRITON_INTERPRET)."""
+    return importlib.import_module("recognition.heads.kernels.margin_softmax_triton")
+
+
+def _triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class _FusedSGD:
+    """What the Triton backward needs to apply torch.optim.SGD's step to the head's rows.
+
+    Reads lr, momentum, weight decay and Nesterov from the optimizer's parameter group at
+    every step (so the LR schedule applies), and keeps the momentum buffer in the
+    optimizer's own state (`optimizer.state[weight]["momentum_buffer"]`, float32), so that
+    checkpoints hold what they hold without the fused update.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, param: nn.Parameter) -> None:
+        self.optimizer = optimizer
+        self.param = param
+        self.group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+
+    def update(self, kernels: ModuleType) -> Any:
+        group = self.group
+        buffer = None
+        if group["momentum"] != 0:
+            state = self.optimizer.state[self.param]
+            buffer = state.get("momentum_buffer")
+            if buffer is None:  # zero before the first step: the first buffer is the step
+                buffer = torch.zeros_like(self.param, dtype=torch.float32)
+                state["momentum_buffer"] = buffer
+            if buffer.dtype != torch.float32 or not buffer.is_contiguous():
+                raise ValueError("head.fused_update: the momentum buffer must be dense float32")
+        return kernels.SGDUpdate(
+            lr=float(group["lr"]),
+            momentum=float(group["momentum"]),
+            weight_decay=float(group["weight_decay"]),
+            nesterov=bool(group["nesterov"]),
+            momentum_buffer=buffer,
+        )
+
+
+class _TritonClassStats(torch.autograd.Function):
+    """`_LocalClassStats` (same inputs and outputs) on the fused Triton kernels.
+
+    Statistics in float32 only. The target cosine is computed as in `_LocalClassStats`; the
+    non-target statistics and their gradient come from the kernels. With `fused` (a
+    `_FusedSGD`), backward applies the SGD step to the taking-part rows of `weight` in place
+    - the kernel's share and the target rows' share together - and returns no gradient for
+    the weight.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        norm_embeddings: Tensor,
+        weight: Tensor,
+        row_index: Tensor | None,
+        target_row: Tensor,
+        scale: float,
+        matmul_dtype: torch.dtype,
+        fused: _FusedSGD | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        kernels = _triton_kernels()
+        with torch.autocast(norm_embeddings.device.type, enabled=False):
+            norm_embeddings = norm_embeddings.contiguous()
+            owned = target_row >= 0
+            target_rows = _l2_normalize(weight[target_row.clamp(min=0)].float())  # (N, D)
+            target_cos = torch.where(owned, (norm_embeddings * target_rows).sum(dim=1), 0.0)
+            target_pos = _target_positions(row_index, target_row, owned)
+            inv_norm = kernels.inverse_norms(weight, row_index, _norm_eps(weight.dtype))  # (K,)
+            tiles = kernels.default_tiles(norm_embeddings.device)
+            row_max, row_sumexp = kernels.class_stats(
+                norm_embeddings, weight, row_index, inv_norm, target_pos, scale, matmul_dtype,
+                tiles,
+            )  # fmt: skip
+        ctx.save_for_backward(
+            norm_embeddings, weight, row_index, target_row, target_rows, target_pos, inv_norm,
+            row_max,
+        )  # fmt: skip
+        ctx.scale, ctx.matmul_dtype, ctx.tiles, ctx.fused = scale, matmul_dtype, tiles, fused
+        ctx.mark_non_differentiable(row_max)
+        return row_max, row_sumexp, target_cos
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx,
+        grad_max: Tensor,
+        grad_sumexp: Tensor,
+        grad_target_cos: Tensor,
+    ) -> tuple[Tensor | None, ...]:
+        del grad_max  # a constant shift (see _LocalClassStats)
+        kernels = _triton_kernels()
+        (norm_embeddings, weight, row_index, target_row, target_rows, target_pos, inv_norm,
+         row_max) = ctx.saved_tensors  # fmt: skip
+        fused: _FusedSGD | None = ctx.fused
+        want_weight = ctx.needs_input_grad[1] or fused is not None
+        owned = target_row >= 0
+        # The target cosine's share, as _LocalClassStats computes it; before the kernels,
+        # since a fused update overwrites the weight.
+        grad_target = torch.where(owned, grad_target_cos, 0.0)[:, None]  # (N, 1)
+        target_grad_rows = None
+        if want_weight:
+            raw_rows = weight[target_row.clamp(min=0)].float()
+            target_grad_rows = _l2_normalize_backward(raw_rows, grad_target * norm_embeddings)
+        target_grad = None
+        if fused is not None:  # one summed gradient per distinct target row
+            rows, inverse = torch.unique(target_row[owned], return_inverse=True)
+            summed = target_grad_rows.new_zeros((rows.numel(), weight.shape[1]))
+            target_grad = (rows, summed.index_add_(0, inverse, target_grad_rows[owned]))
+        grad_embeddings, grad_weight = kernels.class_stats_backward(
+            norm_embeddings, weight, row_index, inv_norm, target_pos, row_max, grad_sumexp,
+            ctx.scale, ctx.matmul_dtype, ctx.tiles, want_weight=want_weight,
+            target_grad=target_grad,
+            sgd=fused.update(kernels) if fused is not None else None,
+            norm_limit=1.0 / _norm_eps(weight.dtype),
+        )  # fmt: skip
+        grad_embeddings += grad_target * target_rows
+        if grad_weight is not None:
+            grad_weight.index_add_(0, target_row[owned], target_grad_rows[owned].to(weight.dtype))
+        return grad_embeddings, grad_weight, None, None, None, None, None
+
+
 def _norm_eps(dtype: torch.dtype) -> float:
     return max(NORM_EPS, torch.finfo(dtype).tiny)
 
@@ -416,7 +559,9 @@ class ShardedMarginSoftmax(nn.Module):
     computes the logits that many classes at a time and recomputes them in backward (memory
     O(global batch x chunk_size) instead of O(global batch x num_local)); None computes the
     whole shard at once. `sample_rate` < 1 turns on partial FC, with `seed` fixing the
-    sampling (see the module docstring and `attach_optimizer`).
+    sampling (see the module docstring and `attach_optimizer`). `kernel` picks the
+    implementation of the local statistics: "torch", "triton" or "auto" (see the module
+    docstring); `attach_fused_update` makes the Triton backward step the class rows itself.
 
     Every rank must call forward with the same local batch size; the loss is the mean over
     the global batch, identical on every rank. See the module docstring for the gradient
@@ -439,8 +584,13 @@ class ShardedMarginSoftmax(nn.Module):
         group: ProcessGroup | None = None,
         seed: int = 0,
         device: torch.device | str | None = None,
+        kernel: str = "auto",
     ) -> None:
         super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"head.kernel: {kernel!r} is not one of {', '.join(KERNELS)}")
+        if kernel == "triton" and importlib.util.find_spec("triton") is None:
+            raise ValueError("head.kernel: triton is not installed (use auto or torch)")
         if num_classes < 1:
             raise ValueError(f"num_classes: must be >= 1, got {num_classes}")
         if num_classes > MAX_CLASSES:
@@ -463,6 +613,7 @@ class ShardedMarginSoftmax(nn.Module):
         self.chunk_size = chunk_size
         self.group = group
         self.seed = seed
+        self.kernel = kernel
         self.world_size = num_ranks
         self.rank = distributed.rank(group)
         self.class_start, self.num_local = shard_range(num_classes, num_ranks, self.rank)
@@ -481,6 +632,8 @@ class ShardedMarginSoftmax(nn.Module):
         # The tensor the optimizer steps for `weight` (the weight, or its O2 master); in a
         # list, since a Parameter set as an attribute would become one of the head's own.
         self._optimizer_param: list[Tensor] = [self.weight]
+        self._fused: _FusedSGD | None = None
+        self._logged: set[str] = set()  # the one-line notices already logged
 
     # ---------------------------------------------------------------- the shard
 
@@ -499,9 +652,7 @@ class ShardedMarginSoftmax(nn.Module):
             block_rows = min(INIT_BLOCK_ROWS, self.num_classes - block_start)
             generator = torch.Generator(device=device)
             generator.manual_seed((self.seed * 1_000_003 + block_start // INIT_BLOCK_ROWS) % 2**63)
-            block = torch.randn(
-                block_rows, self.embedding_size, generator=generator, device=device
-            )
+            block = torch.randn(block_rows, self.embedding_size, generator=generator, device=device)
             lo, hi = max(first, block_start), min(stop, block_start + block_rows)
             self.weight[lo - first : hi - first] = (
                 block[lo - block_start : hi - block_start] * WEIGHT_INIT_STD
@@ -545,8 +696,36 @@ class ShardedMarginSoftmax(nn.Module):
             f"num_classes={self.num_classes}, embedding_size={self.embedding_size}, "
             f"class_start={self.class_start}, num_local={self.num_local}, "
             f"world_size={self.world_size}, chunk_size={self.chunk_size}, "
-            f"sample_rate={self.sample_rate}"
+            f"sample_rate={self.sample_rate}, kernel={self.kernel}"
         )
+
+    def _log_once(self, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            logger.info(message)
+
+    def _uses_triton(self, device: torch.device, stats_dtype: torch.dtype) -> bool:
+        """Whether this forward runs the Triton kernels (logs the choice once when not asked)."""
+        if self.kernel == "torch":
+            return False
+        if self.kernel == "auto":
+            self._log_once(
+                "head.kernel=auto: using the torch path (the Triton kernel has not been "
+                "measured on a GPU yet; head.kernel=triton selects it)"
+            )
+            return False
+        if device.type != "cuda" and not _triton_interpreting():
+            raise ValueError(
+                f"head.kernel=triton: the kernels run on CUDA tensors, got {device.type} "
+                "(or set TRITON_INTERPRET=1 to interpret them on the CPU)"
+            )
+        if stats_dtype != torch.float32:
+            self._log_once(
+                f"head.kernel=triton: statistics in {stats_dtype} are not supported by the "
+                "kernel; using the torch path"
+            )
+            return False
+        return True
 
     def _samples_classes(self) -> bool:
         """True when a forward now uses partial FC: sample_rate < 1, training, grad enabled."""
@@ -592,11 +771,24 @@ class ShardedMarginSoftmax(nn.Module):
         self.sampled_index = row_index
 
         # ---- local statistics over this rank's (taking-part) classes, float32.
-        keep_logits = self.chunk_size is None
-        nontarget_max, nontarget_sumexp, target_cos = _LocalClassStats.apply(
-            norm_embeddings, self.weight, row_index, target_row, scale,
-            BLOCK_SIZE if keep_logits else self.chunk_size, keep_logits, matmul_dtype,
-        )  # fmt: skip
+        if self._uses_triton(embeddings.device, compute_dtype):
+            if matmul_dtype == torch.float64:
+                matmul_dtype = torch.float32
+            fused = self._fused if torch.is_grad_enabled() and self.training else None
+            nontarget_max, nontarget_sumexp, target_cos = _TritonClassStats.apply(
+                norm_embeddings, self.weight, row_index, target_row, scale, matmul_dtype, fused
+            )
+        elif self._fused is not None and torch.is_grad_enabled() and self.training:
+            raise RuntimeError(
+                "head.fused_update: this forward cannot use the Triton kernel (see the log), "
+                "so nothing would update the class rows"
+            )
+        else:
+            keep_logits = self.chunk_size is None
+            nontarget_max, nontarget_sumexp, target_cos = _LocalClassStats.apply(
+                norm_embeddings, self.weight, row_index, target_row, scale,
+                BLOCK_SIZE if keep_logits else self.chunk_size, keep_logits, matmul_dtype,
+            )  # fmt: skip
         target_logit = torch.where(owned, scale * self.margin(target_cos), 0.0)
         # Fold the target column back in: max over both, sum-exp rescaled to that max. The
         # max is a constant for autograd: log(sum exp(z - c)) + c does not depend on c.
@@ -722,6 +914,46 @@ class ShardedMarginSoftmax(nn.Module):
 
         self._optimizer_hooks.append(optimizer.register_step_pre_hook(before_step))
         self._optimizer_hooks.append(optimizer.register_step_post_hook(after_step))
+
+    def attach_fused_update(
+        self, optimizer: torch.optim.Optimizer, param: nn.Parameter | None = None
+    ) -> None:
+        """Apply `optimizer`'s SGD step to the class rows inside the Triton backward.
+
+        Call once, after building the optimizer and instead of `attach_optimizer`. Needs
+        kernel="triton", a torch.optim.SGD (dampening 0, not maximize) holding the head's
+        float32 weight. From then on every training backward updates the rows that took
+        part in the forward (all of them, or the partial-FC sample) as that SGD would -
+        weight decay, momentum, Nesterov, lr read from the weight's parameter group at each
+        step, so the LR scheduler applies - and leaves `weight.grad` None, so
+        `optimizer.step()` skips the weight (and nothing weight-sized holds a gradient).
+        The momentum buffer is the optimizer's own state entry, so checkpoints do not
+        change. Not for gradient accumulation (each backward steps), gradient clipping that
+        includes the head, or fp16 loss scaling (the gradient would be scaled): the config
+        refuses those combinations. `param` must be the weight itself (no O2 master).
+        """
+        if self.kernel != "triton":
+            raise ValueError(
+                f"head.fused_update: needs head.kernel=triton, the head has {self.kernel!r}"
+            )
+        if not isinstance(optimizer, torch.optim.SGD):
+            raise ValueError(
+                f"head.fused_update: applies SGD only, the optimizer is {type(optimizer).__name__}"
+            )
+        target = self.weight if param is None else param
+        if target is not self.weight:
+            raise ValueError("head.fused_update: the optimizer must step the weight itself")
+        groups = [g for g in optimizer.param_groups if any(p is target for p in g["params"])]
+        if not groups:
+            raise ValueError("attach_fused_update: the optimizer does not hold the head's weight")
+        group = groups[0]
+        if group.get("dampening", 0) != 0 or group.get("maximize", False):
+            raise ValueError("head.fused_update: SGD with dampening or maximize is not supported")
+        if self.weight.dtype != torch.float32:
+            raise ValueError(
+                f"head.fused_update: the weight must be float32, it is {self.weight.dtype}"
+            )
+        self._fused = _FusedSGD(optimizer, self.weight)
 
     # ---------------------------------------------------------------- input checks
 

@@ -168,7 +168,10 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
     optimizer = build_optimizer(precision.param_groups(groups), cfg.optim)
     # Partial FC: the optimizer must only move the class rows sampled for the step (under
     # O2 it steps the fp32 master of the head's weight, not the half weight itself).
-    head.attach_optimizer(optimizer, precision.optimizer_param(head.weight))
+    if cfg.head.fused_update:  # the Triton backward steps the rows; weight.grad stays None
+        head.attach_fused_update(optimizer)
+    else:
+        head.attach_optimizer(optimizer, precision.optimizer_param(head.weight))
 
     total_steps = cfg.train.epochs * steps_per_epoch
     warmup_steps = round(cfg.optim.warmup_epochs * steps_per_epoch)

@@ -1,0 +1,403 @@
+"""The Triton head kernels (heads/kernels), run by Triton's interpreter on CPU tensors.
+
+TRITON_INTERPRET=1 is set by conftest.py before anything imports torch or triton
+(`triton.jit` reads it at import time), and here again for a run of this file on its own;
+spawned ranks inherit it. Every case compares kernel="triton" with an
+independent float64 reference (full cosine matrix, psi from acos, F.cross_entropy) and with
+the torch path of the same head. Sizes stay small: the interpreter runs every program of the
+grid one after another in numpy.
+
+Tolerances: fp32 operands 1e-5 of the largest entry against float64, as the torch path's own
+fp32 test (the kernels sum in another order, in fp32). bf16 operands: 2e-2 against the torch
+path under the same autocast (both round the operands to bf16; the interpreter rounds fp32
+to bf16 by truncation, torch to nearest, and the sums run in different orders).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import datetime  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from test_head import (  # noqa: E402
+    MARGIN_CASES,
+    assert_close_rel,
+    make_batch,
+    psi_arcface,
+    reference_loss,
+    restricted_reference,
+    run_head,
+)
+
+from recognition.config import ConfigError, config_from_dict  # noqa: E402
+from recognition.heads import ArcFace, CosFace, ShardedMarginSoftmax  # noqa: E402
+from recognition.heads import margin_softmax as head_module  # noqa: E402
+
+EMBEDDING_SIZE = 24  # not a power of two: the kernels pad D to 32
+MARGINS = {case[0]: case for case in MARGIN_CASES}
+
+
+def triton_and_torch_heads(num_classes, margin, **kwargs):
+    """Two heads with the same weight: kernel="triton" and kernel="torch"."""
+    fast = ShardedMarginSoftmax(num_classes, EMBEDDING_SIZE, margin, kernel="triton", **kwargs)
+    slow = ShardedMarginSoftmax(num_classes, EMBEDDING_SIZE, margin, kernel="torch", **kwargs)
+    slow.load_state_dict(fast.state_dict())
+    return fast, slow
+
+
+def make_labels_with_duplicates(num_classes, batch_size, seed):
+    embeddings, labels = make_batch(num_classes, EMBEDDING_SIZE, batch_size, seed, torch.float32)
+    if batch_size > 2:
+        labels[2] = labels[0]  # a class twice in the batch
+    return embeddings, labels
+
+
+# Shapes that are not multiples of the tiles (N = 1, 7, 33; C = 1, 129, 1000), every margin at
+# one shape, two margins at the others (the interpreter is slow).
+SHAPE_CASES = [(7, 129, name) for name in MARGINS] + [
+    (1, 1, "arcface"),
+    (33, 1000, "arcface"),
+    (33, 1000, "sphereface"),
+    (1, 129, "cosface"),
+]
+
+
+@pytest.mark.parametrize(("batch_size", "num_classes", "margin_id"), SHAPE_CASES)
+def test_fp32_matches_float64_reference_and_torch_path(batch_size, num_classes, margin_id):
+    _, make_margin, scale, psi = MARGINS[margin_id]
+    torch.manual_seed(batch_size * 1000 + num_classes)
+    fast, slow = triton_and_torch_heads(num_classes, make_margin())
+    embeddings, labels = make_labels_with_duplicates(num_classes, batch_size, seed=num_classes)
+    loss, grad_e, grad_w = run_head(fast, embeddings, labels)
+    ref_loss, ref_grad_e, ref_grad_w, ref_accuracy = reference_loss(
+        embeddings, fast.weight, labels, scale, psi
+    )
+    assert loss.dtype == torch.float32 and grad_w.dtype == torch.float32
+    assert_close_rel(loss, ref_loss, 1e-5)
+    assert_close_rel(grad_e, ref_grad_e, 1e-5)
+    assert_close_rel(grad_w, ref_grad_w, 1e-5)
+    assert fast.last_accuracy.item() == pytest.approx(ref_accuracy.item(), abs=1e-6)
+    torch_loss, torch_grad_e, torch_grad_w = run_head(slow, embeddings, labels)
+    assert_close_rel(loss, torch_loss.double(), 1e-6)
+    assert_close_rel(grad_e, torch_grad_e.double(), 1e-5)
+    assert_close_rel(grad_w, torch_grad_w.double(), 1e-5)
+
+
+def test_deterministic_mode_reduces_without_atomics_and_repeats_bitwise():
+    torch.manual_seed(3)
+    head = ShardedMarginSoftmax(400, EMBEDDING_SIZE, CosFace(s=16.0), kernel="triton")
+    embeddings, labels = make_labels_with_duplicates(400, 33, seed=4)
+    atomic = run_head(head, embeddings, labels)
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = run_head(head, embeddings, labels)
+        second = run_head(head, embeddings, labels)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(first, atomic, strict=True):
+        assert_close_rel(a, b.double(), 1e-6)
+    ref_loss, ref_grad_e, _, _ = reference_loss(
+        embeddings, head.weight, labels, 16.0, lambda t: torch.cos(t) - 0.4
+    )
+    assert_close_rel(first[0], ref_loss, 1e-5)
+    assert_close_rel(first[1], ref_grad_e, 1e-5)
+
+
+def test_chunk_size_is_accepted_and_changes_nothing():
+    # The kernels never keep an (N, C) tensor: chunk_size has nothing left to bound.
+    torch.manual_seed(5)
+    head = ShardedMarginSoftmax(129, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
+    chunked = ShardedMarginSoftmax(
+        129, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton", chunk_size=7
+    )
+    chunked.load_state_dict(head.state_dict())
+    embeddings, labels = make_labels_with_duplicates(129, 7, seed=6)
+    for a, b in zip(
+        run_head(head, embeddings, labels), run_head(chunked, embeddings, labels), strict=True
+    ):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("half_weight", [False, True], ids=["autocast", "bf16_weight"])
+def test_bf16_operands_match_torch_path(half_weight):
+    torch.manual_seed(7)
+    fast, slow = triton_and_torch_heads(129, CosFace(s=16.0))
+    embeddings, labels = make_labels_with_duplicates(129, 33, seed=8)
+    results = []
+    for head in (fast, slow):
+        if half_weight:  # O2/O3: bf16 weight and embeddings, matmul in bf16
+            head.to(torch.bfloat16)
+            results.append(run_head(head, embeddings.to(torch.bfloat16), labels))
+        else:  # O1: fp32 weight and inputs, matmul in bf16 under autocast
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                results.append(run_head(head, embeddings, labels))
+    (loss, grad_e, grad_w), (ref_loss, ref_grad_e, ref_grad_w) = results
+    assert loss.dtype == torch.float32 and grad_w.dtype == fast.weight.dtype
+    assert_close_rel(loss, ref_loss.double(), 2e-2)
+    assert_close_rel(grad_e, ref_grad_e.double(), 2e-2)
+    assert_close_rel(grad_w, ref_grad_w.double(), 2e-2)
+    # Against float64 on the unrounded inputs: the loss stays within bf16's precision.
+    exact = reference_loss(
+        embeddings, fast.weight.float(), labels, 16.0, lambda t: torch.cos(t) - 0.4
+    )[0]
+    assert abs(loss.item() - exact.item()) < 0.02 * exact.item()
+
+
+def test_partial_fc_matches_restricted_reference_and_torch_path():
+    torch.manual_seed(9)
+    fast, slow = triton_and_torch_heads(300, ArcFace(s=16.0), sample_rate=0.3, seed=4)
+    embeddings, labels = make_labels_with_duplicates(300, 7, seed=10)
+    loss, grad_e, grad_w = run_head(fast, embeddings, labels)
+    index = fast.sampled_index
+    torch_loss, torch_grad_e, torch_grad_w = run_head(slow, embeddings, labels)
+    assert torch.equal(index, slow.sampled_index) and index.numel() < 300
+    ref_loss, ref_grad_e, ref_grad_w = restricted_reference(
+        embeddings, fast.weight, labels, index, 16.0, lambda t: psi_arcface(t, 0.5)
+    )
+    assert_close_rel(loss, ref_loss, 1e-5)
+    assert_close_rel(grad_e, ref_grad_e, 1e-5)
+    assert_close_rel(grad_w, ref_grad_w, 1e-5)
+    assert_close_rel(grad_w, torch_grad_w.double(), 1e-5)
+    unsampled = torch.ones(300, dtype=torch.bool)
+    unsampled[index] = False
+    assert (grad_w[unsampled] == 0).all()
+
+
+# ---- fused SGD update ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sample_rate", "nesterov", "momentum"),
+    [(1.0, False, 0.9), (1.0, True, 0.9), (0.3, False, 0.9), (1.0, False, 0.0)],
+)
+def test_fused_update_matches_torch_sgd_over_steps(sample_rate, nesterov, momentum):
+    torch.manual_seed(11)
+    fast, slow = triton_and_torch_heads(150, ArcFace(s=16.0), sample_rate=sample_rate, seed=3)
+    settings = {"momentum": momentum, "weight_decay": 5e-4, "nesterov": nesterov}
+    fast_opt = torch.optim.SGD(fast.parameters(), lr=0.5, **settings)
+    slow_opt = torch.optim.SGD(slow.parameters(), lr=0.5, **settings)
+    fast.attach_fused_update(fast_opt)
+    slow.attach_optimizer(slow_opt)
+    # The LR changes between steps: the fused update must read it from the optimizer.
+    fast_sched = torch.optim.lr_scheduler.StepLR(fast_opt, step_size=1, gamma=0.7)
+    slow_sched = torch.optim.lr_scheduler.StepLR(slow_opt, step_size=1, gamma=0.7)
+    ever_sampled = torch.zeros(150, dtype=torch.bool)
+    initial = fast.weight.detach().clone()
+    for step in range(4):
+        embeddings, labels = make_labels_with_duplicates(150, 7, seed=20 + step)
+        before = fast.weight.detach().clone()
+        for head, opt, sched in ((fast, fast_opt, fast_sched), (slow, slow_opt, slow_sched)):
+            opt.zero_grad(set_to_none=True)
+            head(embeddings, labels).backward()
+            opt.step()
+            sched.step()
+        assert fast.weight.grad is None  # no weight-sized gradient
+        # fp32 rounding: the gradients are summed in another order (1e-5 of the largest
+        # entry, as the gradient tests), and so is what the steps moved the rows by.
+        moved = (fast.weight - initial).detach().double()
+        assert_close_rel(moved, (slow.weight - initial).detach().double(), 1e-5)
+        if momentum:
+            fast_buf = fast_opt.state[fast.weight]["momentum_buffer"]
+            slow_buf = slow_opt.state[slow.weight]["momentum_buffer"]
+            assert_close_rel(fast_buf, slow_buf.double(), 1e-5)
+        if sample_rate < 1:
+            sampled = torch.zeros(150, dtype=torch.bool)
+            sampled[fast.sampled_index] = True
+            ever_sampled |= sampled
+            assert torch.equal(fast.weight.detach()[~sampled], before[~sampled])
+            if momentum:
+                assert (fast_buf[~ever_sampled] == 0).all()
+    assert not torch.equal(fast.weight.detach(), initial)
+    if sample_rate < 1:
+        assert 0 < int(ever_sampled.sum()) < 150
+    # Same checkpoint format as without the fused update.
+    fast_state, slow_state = fast_opt.state_dict(), slow_opt.state_dict()
+    assert fast_state["param_groups"] == slow_state["param_groups"]
+    assert {k: set(v) for k, v in fast_state["state"].items()} == {
+        k: set(v) for k, v in slow_state["state"].items()
+    }
+
+
+def test_fused_update_refuses_what_it_cannot_honour():
+    head = ShardedMarginSoftmax(20, EMBEDDING_SIZE, CosFace(), kernel="triton")
+    with pytest.raises(ValueError, match="SGD"):
+        head.attach_fused_update(torch.optim.AdamW(head.parameters()))
+    with pytest.raises(ValueError, match="dampening"):
+        head.attach_fused_update(torch.optim.SGD(head.parameters(), lr=0.1, dampening=0.1))
+    torch_head = ShardedMarginSoftmax(20, EMBEDDING_SIZE, CosFace(), kernel="torch")
+    with pytest.raises(ValueError, match="head.kernel=triton"):
+        torch_head.attach_fused_update(torch.optim.SGD(torch_head.parameters(), lr=0.1))
+    # A forward that cannot use the kernel (float64) must not silently skip the update.
+    head.attach_fused_update(torch.optim.SGD(head.parameters(), lr=0.1))
+    head.double()
+    with pytest.raises(RuntimeError, match="fused_update"):
+        head(torch.randn(3, EMBEDDING_SIZE, dtype=torch.float64), torch.tensor([1, 2, 3]))
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ({"head": {"kernel": "torch"}}, "head.kernel"),
+        ({"optim": {"name": "adamw"}}, "optim.name"),
+        ({"optim": {"grad_clip": 5.0}}, "optim.grad_clip"),
+        ({"train": {"accumulate_steps": 2}}, "train.accumulate_steps"),
+        ({"precision": {"level": "O2"}}, "precision.level"),
+        ({"precision": {"level": "O1", "dtype": "fp16"}}, "precision.dtype"),
+    ],
+)
+def test_config_refuses_fused_update_with_what_it_cannot_honour(override, key):
+    valid = {
+        "head": {"kernel": "triton", "fused_update": True},
+        "optim": {"name": "sgd", "grad_clip": None},
+        "train": {"accumulate_steps": 1},
+        "precision": {"level": "O1", "dtype": "bf16"},
+    }
+    config_from_dict(valid)  # the valid combination builds
+    raw = {section: {**values, **override.get(section, {})} for section, values in valid.items()}
+    with pytest.raises(ConfigError, match="head.fused_update") as error:
+        config_from_dict(raw)
+    assert key in str(error.value)
+
+
+def test_config_rejects_unknown_kernel():
+    with pytest.raises(ConfigError, match="head.kernel"):
+        config_from_dict({"head": {"kernel": "cuda"}})
+
+
+# ---- kernel choice -----------------------------------------------------------------------------
+
+
+def test_auto_uses_torch_and_logs_once(caplog, monkeypatch):
+    calls = []
+    original = head_module._TritonClassStats.apply
+    monkeypatch.setattr(
+        head_module._TritonClassStats, "apply", lambda *a: calls.append(1) or original(*a)
+    )
+    head = ShardedMarginSoftmax(20, EMBEDDING_SIZE, CosFace())
+    assert head.kernel == "auto"
+    embeddings, labels = make_batch(20, EMBEDDING_SIZE, 4, seed=1, dtype=torch.float32)
+    with caplog.at_level(logging.INFO, logger=head_module.__name__):
+        head(embeddings, labels)
+        head(embeddings, labels)
+    assert not calls
+    assert sum("head.kernel=auto" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_triton_falls_back_to_torch_for_float64_with_one_log_line(caplog):
+    head = ShardedMarginSoftmax(20, EMBEDDING_SIZE, CosFace(), kernel="triton").double()
+    embeddings, labels = make_batch(20, EMBEDDING_SIZE, 4, seed=1)
+    with caplog.at_level(logging.INFO, logger=head_module.__name__):
+        loss = head(embeddings, labels)
+        head(embeddings, labels)
+    assert loss.dtype == torch.float64
+    assert sum("torch path" in r.getMessage() for r in caplog.records) == 1
+    ref_loss = reference_loss(embeddings, head.weight, labels, 64.0, lambda t: torch.cos(t) - 0.4)[
+        0
+    ]
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-10)
+
+
+def test_constructor_rejects_unknown_kernel():
+    with pytest.raises(ValueError, match="head.kernel"):
+        ShardedMarginSoftmax(20, EMBEDDING_SIZE, CosFace(), kernel="cuda")
+
+
+# ---- world sizes 1-3 (2 and 3 under gloo) ---------------------------------------------------
+
+
+def check_triton_ranks(check, rank, world_size):
+    import test_head_distributed as hd
+
+    # Each scenario with one margin (the interpreter is slow; margins are covered above):
+    # duplicate labels across ranks, every label on one rank, a rank owning no label.
+    cases = zip(["random", "one_shard", "rank_owns_none"], hd.MARGIN_CASES[:3], strict=True)
+    for scenario_index, (scenario, margin_case) in enumerate(cases):
+        weight, embeddings, labels = hd.full_problem(
+            world_size, scenario, torch.float32, scenario_index
+        )
+        for margin_id, make_margin, scale, psi in [margin_case]:
+            name = f"W={world_size} triton {scenario} {margin_id}"
+            ref_loss, ref_grad_e, ref_grad_w, _ = hd.reference(
+                embeddings, weight, labels, scale, psi
+            )
+            head = ShardedMarginSoftmax(
+                hd.NUM_CLASSES, hd.EMBEDDING_SIZE, make_margin(), kernel="triton"
+            )
+            loss, grad_w, grad_e = hd.run_head(head, weight, embeddings, labels, rank, world_size)
+            check.close(f"{name}: loss", loss, ref_loss, 1e-5)
+            check.close(f"{name}: grad weight", grad_w, ref_grad_w, 1e-5)
+            check.close(f"{name}: grad embeddings", grad_e, ref_grad_e, 1e-5)
+    # Partial FC on every rank: the softmax over the sampled classes of all ranks.
+    weight, embeddings, labels = hd.full_problem(world_size, "random", torch.float32, 11)
+    head = ShardedMarginSoftmax(
+        hd.NUM_CLASSES, hd.EMBEDDING_SIZE, CosFace(), sample_rate=0.3, seed=5, kernel="triton"
+    )
+    loss, grad_w, grad_e = hd.run_head(head, weight, embeddings, labels, rank, world_size)
+    columns = hd.gather_rows((head.class_start + head.sampled_index)[:, None], world_size)[:, 0]
+    ref_loss, ref_grad_e, ref_grad_w, _ = hd.reference(
+        embeddings, weight, labels, 64.0, lambda t: torch.cos(t) - 0.4, columns=columns
+    )
+    check.close(f"W={world_size} triton partial FC: loss", loss, ref_loss, 1e-5)
+    check.close(f"W={world_size} triton partial FC: grad weight", grad_w, ref_grad_w, 1e-5)
+    check.close(f"W={world_size} triton partial FC: grad embeddings", grad_e, ref_grad_e, 1e-5)
+
+
+def worker(rank, world_size, rendezvous, out_dir):
+    import test_head_distributed as hd
+
+    torch.set_num_threads(1)
+    check = hd.Checker()
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{rendezvous}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        check_triton_ranks(check, rank, world_size)
+    except Exception:
+        check.failures.append(traceback.format_exc())
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(check.failures))
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        os._exit(0)  # see test_head_distributed.worker
+
+
+def test_triton_head_on_one_rank_matches_single_process_reference():
+    # World size 1 needs no process group: run in this process, sparing a spawn.
+    import test_head_distributed as hd
+
+    check = hd.Checker()
+    check_triton_ranks(check, 0, 1)
+    assert not check.failures, "\n".join(check.failures)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_triton_head_on_gloo_ranks_matches_single_process_reference(world_size, tmp_path):
+    mp.spawn(
+        worker,
+        args=(world_size, str(tmp_path / "rendezvous"), str(tmp_path)),
+        nprocs=world_size,
+        join=True,
+    )
+    failures = []
+    for rank in range(world_size):
+        failures += [
+            f"rank {rank}: {f}" for f in json.loads((tmp_path / f"rank{rank}.json").read_text())
+        ]
+    assert not failures, "\n".join(failures[:20]) + f"\n({len(failures)} failures)"
