@@ -22,6 +22,7 @@ import logging
 import sys
 from pathlib import Path
 
+from recognition.compat import torch_version_error
 from recognition.config import ConfigError, EvalTarget, load_config, parse_image_size
 
 
@@ -115,6 +116,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if (version_error := torch_version_error()) is not None:
+        print(f"error: {version_error}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from recognition.distributed import pick_device
     from recognition.evaluation import run

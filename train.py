@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from recognition.compat import torch_version_error
 from recognition.config import ConfigError, load_config
 
 
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
         help="dotted config overrides, e.g. head.margin=cosface optim.lr=0.05",
     )
     args = parser.parse_args(argv)
+    if (version_error := torch_version_error()) is not None:
+        print(f"error: {version_error}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:

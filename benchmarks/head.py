@@ -133,6 +133,8 @@ class CommCounter:
     def __init__(self, world_size: int, rank: int) -> None:
         import torch.distributed as dist
 
+        from recognition.distributed import ALL_GATHER_NAME, REDUCE_SCATTER_NAME
+
         self.world_size, self.rank, self.bytes_sent, self.calls = world_size, rank, 0.0, 0
         w = world_size
 
@@ -149,8 +151,8 @@ class CommCounter:
 
             setattr(dist, name, counted)
 
-        wrap("all_gather_single", lambda out, inp, *a, **k: (w - 1) * nbytes(inp))
-        wrap("reduce_scatter_single", lambda out, inp, *a, **k: (w - 1) / w * nbytes(inp))
+        wrap(ALL_GATHER_NAME, lambda out, inp, *a, **k: (w - 1) * nbytes(inp))
+        wrap(REDUCE_SCATTER_NAME, lambda out, inp, *a, **k: (w - 1) / w * nbytes(inp))
         wrap("all_reduce", lambda t, *a, **k: 2 * (w - 1) / w * nbytes(t))
 
         def gather_sent(tensor, gather_list=None, dst=0, *a, **k):

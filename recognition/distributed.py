@@ -238,6 +238,17 @@ def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
 # The model-parallel head moves tensors, not scalars. These run on the device of the tensors
 # they are given (CUDA with NCCL, CPU with gloo), and with a world of one they return their
 # input (or a view of it) without touching torch.distributed.
+#
+# torch 2.14 named the single-tensor collectives `all_gather_single` / `reduce_scatter_single`
+# and deprecated `all_gather_into_tensor` / `reduce_scatter_tensor`, the only names earlier
+# releases have: take the new name where it exists, the old one otherwise (looked up at
+# each call, so that a benchmark's wrapper around either name sees the traffic).
+ALL_GATHER_NAME = (
+    "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+)
+REDUCE_SCATTER_NAME = (
+    "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+)
 
 
 def all_gather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -251,7 +262,7 @@ def all_gather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None = No
         return tensor
     tensor = tensor.contiguous()
     gathered = tensor.new_empty((num_ranks * tensor.shape[0], *tensor.shape[1:]))
-    dist.all_gather_single(gathered, tensor, group=group)
+    getattr(dist, ALL_GATHER_NAME)(gathered, tensor, group=group)
     return gathered
 
 
@@ -273,7 +284,7 @@ def reduce_scatter_sum(
         )
     tensor = tensor.contiguous()
     block = tensor.new_empty((tensor.shape[0] // num_ranks, *tensor.shape[1:]))
-    dist.reduce_scatter_single(block, tensor, op=dist.ReduceOp.SUM, group=group)
+    getattr(dist, REDUCE_SCATTER_NAME)(block, tensor, op=dist.ReduceOp.SUM, group=group)
     return block
 
 

@@ -133,3 +133,20 @@ def test_train_then_evaluate_with_pairs_json_and_export(tmp_path, capsys):
     assert evaluate.main(argv) == 1
     err = capsys.readouterr().err
     assert "pairs.txt:" in err and "n1/n1_0003.jpg" in err
+
+
+def test_torch_below_the_minimum_is_one_line_at_start_up(monkeypatch, capsys):
+    import train
+    from recognition import compat
+
+    assert compat.torch_version_error("2.11.0+cu130") is None
+    assert compat.torch_version_error("2.14.1") is None
+    assert compat.torch_version_error("3.0") is None
+    message = compat.torch_version_error("2.10.1+cpu")
+    assert "torch 2.10.1+cpu is installed" in message and ">= 2.11" in message
+    assert compat.torch_version_error("1.13.1") is not None
+
+    monkeypatch.setattr(compat.metadata, "version", lambda name: "2.9.0")
+    assert train.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "torch 2.9.0 is installed" in err

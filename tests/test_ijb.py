@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from recognition.engine import train
 from sklearn.metrics import roc_auc_score, roc_curve
 
 import evaluate
@@ -27,6 +26,7 @@ from recognition.data.alignment import (
 from recognition.data.synthetic import draw_face
 from recognition.evaluation import ijb
 from recognition.models import build_backbone
+from recognition.training import train
 
 FACE = 48  # side of a drawn face
 LOOSE = 64  # side of a loose crop
