@@ -37,9 +37,17 @@ class DistInfo:
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    """Resolve a config device name ("auto", "cpu", "cuda") to this process's device."""
+    """Resolve a config device name ("auto", "cpu", "cuda") to this process's device.
+
+    "auto" is CUDA when a GPU is visible, else the CPU; the environment variable
+    RECOGNITION_AUTO_DEVICE (cpu or cuda), when set, decides instead. The test suite sets it
+    to cpu, so that a test meant for the CPU reference stays on the CPU on a GPU machine too,
+    and its own processes (torchrun, spawn) inherit that.
+    """
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        name = os.environ.get("RECOGNITION_AUTO_DEVICE", "").strip().lower()
+        if name not in ("cpu", "cuda"):
+            name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("train.device: 'cuda' asked for but no CUDA device is available")

@@ -1,5 +1,10 @@
 """Shared test setup.
 
+Devices are chosen, not found: RECOGNITION_AUTO_DEVICE=cpu (below) makes `train.device=auto`
+and `--device auto` mean the CPU, in this process and the ones it starts, so tests that
+compare with a CPU reference (bit-exact resume, float64 sums) run there on a GPU machine as
+well. Tests about CUDA ask for `cuda` explicitly and skip without it.
+
 TRITON_INTERPRET=1 (below) for the head's Triton kernels (tests/test_head_triton.py).
 
 One intra-op thread per test process: the suite's tensors are tiny, so threads only add
@@ -15,6 +20,7 @@ import os
 # tl.zeros, tl.sum ... included) reads TRITON_INTERPRET when triton is first imported - which
 # any test may cause (torch.compile imports it) - so it is set before anything imports torch.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["RECOGNITION_AUTO_DEVICE"] = "cpu"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

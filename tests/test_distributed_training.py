@@ -543,3 +543,13 @@ def test_distributed_config_keys_are_checked():
         load_config("default", ["train.dist_backend=nccl", "train.device=cpu"])
     with pytest.raises(ConfigError, match="model.sync_bn"):
         load_config("default", ["model.sync_bn=3"])
+
+
+def test_auto_device_is_what_the_suite_asks_for(monkeypatch):
+    from recognition.distributed import pick_device
+
+    assert os.environ["RECOGNITION_AUTO_DEVICE"] == "cpu"  # tests/conftest.py
+    assert pick_device("auto") == torch.device("cpu")
+    monkeypatch.setenv("RECOGNITION_AUTO_DEVICE", "")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert pick_device("auto").type == expected

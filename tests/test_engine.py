@@ -320,3 +320,26 @@ def test_training_uses_one_loader_iterator_across_epochs(image_folder, tmp_path,
     )  # 9 per epoch
     assert (run_dir / "metrics.jsonl").read_text().count('"loss"') == 12
     assert len(calls) == 1
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+def test_training_on_cuda_follows_the_cpu_run(image_folder, tmp_path):
+    # Same seed, same batches; the GPU differs by its kernels' rounding (cuDNN convolutions
+    # run in TF32 by default, 10 mantissa bits), so the loss curves agree to a tolerance.
+    steps = ("train.max_steps=4",)
+    cpu = losses(train(tiny_config(image_folder, tmp_path / "cpu", "train.device=cpu", *steps)))
+    cuda = losses(train(tiny_config(image_folder, tmp_path / "cuda", "train.device=cuda", *steps)))
+    assert list(cuda) == list(cpu) == [1, 2, 3, 4]
+    for step, loss in cpu.items():
+        assert cuda[step] == pytest.approx(loss, rel=2e-2)
+
+
+@needs_cuda
+def test_deterministic_training_on_cuda_repeats_exactly(image_folder, tmp_path):
+    extra = ("train.device=cuda", "train.deterministic=true", "train.max_steps=6")
+    first = losses(train(tiny_config(image_folder, tmp_path / "a", *extra)))
+    second = losses(train(tiny_config(image_folder, tmp_path / "b", *extra)))
+    assert first == second
