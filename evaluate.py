@@ -120,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {version_error}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from recognition.checkpoint import load_backbone
     from recognition.distributed import pick_device
-    from recognition.evaluation import run
+    from recognition.evaluation import reid, run
 
     try:
         image_size_arg = None
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 targets = cfg.eval.targets
             targets = _targets(args) or targets
             device = pick_device(args.device)
-            backbone, image_size = run.load_backbone(checkpoint, device)
+            backbone, image_size = load_backbone(checkpoint, device)
             common = {
                 "batch_size": args.batch_size,
                 "flip": not args.no_flip,
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             is_reid = args.reid is not None
             if is_reid:
                 results = {
-                    args.reid.resolve().name: run.evaluate_reid(
+                    args.reid.resolve().name: reid.evaluate_reid(
                         backbone,
                         args.reid,
                         image_size,
@@ -236,11 +237,12 @@ def _targets(args: argparse.Namespace) -> list[EvalTarget]:
 def _from_embeddings(args: argparse.Namespace, run) -> dict[str, dict]:
     """Results computed from an embeddings file alone (pairs verification or re-id)."""
     from recognition.data.pairs import load_pairs
+    from recognition.evaluation import reid
     from recognition.evaluation.embeddings import index_paths, load_embeddings, verify_pairs
 
     embeddings, paths = load_embeddings(args.embeddings)
     if args.reid is not None:
-        return {args.embeddings.stem: run.reid_from_embeddings(embeddings, paths, args.embeddings)}
+        return {args.embeddings.stem: reid.reid_from_embeddings(embeddings, paths, args.embeddings)}
     if args.pairs is None:
         raise ValueError("--embeddings needs --pairs (or --reid)")
     name = EvalTarget(pairs=str(args.pairs)).label

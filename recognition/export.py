@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from recognition.checkpoint import load_backbone
     from recognition.config import parse_image_size
-    from recognition.evaluation.run import load_backbone
 
     try:
         image_size_arg = None

@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from recognition.checkpoint import load_backbone
 from recognition.config import ConfigError, DataConfig, load_config
 from recognition.data import pack
 from recognition.data.build import build_sampler, build_train_dataset, resolve_format
@@ -19,7 +20,6 @@ from recognition.data.image_folder import ImageFolderDataset
 from recognition.data.market_train import Market1501TrainDataset
 from recognition.data.recordio import RecordIODataset
 from recognition.data.sampler import IdentityBalancedSampler
-from recognition.evaluation.run import load_backbone
 from recognition.training import TrainingError, train
 
 

@@ -14,7 +14,7 @@ from PIL import Image
 
 import evaluate
 from recognition import checkpoint as ckpt
-from recognition.evaluation.run import load_backbone
+from recognition.checkpoint import load_backbone
 from recognition.models import build_backbone
 
 MODEL = {"backbone": "iresnet18", "embedding_size": 8, "width": 0.125, "dropout": 0.0}

@@ -11,8 +11,9 @@ import torch
 from PIL import Image
 
 from recognition import checkpoint as ckpt
+from recognition.checkpoint import load_backbone
 from recognition.config import ConfigError, config_from_dict, load_config
-from recognition.evaluation.run import evaluate_targets, load_backbone
+from recognition.evaluation.run import evaluate_targets
 from recognition.training import train
 
 

@@ -34,11 +34,12 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from recognition.checkpoint import load_backbone
 from recognition.data.alignment import align_face, template_points
 from recognition.data.transforms import load_rgb, to_input_tensor
 from recognition.evaluation.embeddings import extract_embeddings
 from recognition.evaluation.plots import plot_roc
-from recognition.evaluation.run import load_backbone, write_json
+from recognition.evaluation.run import write_json
 from recognition.evaluation.verification import (
     DEFAULT_FAR_TARGETS,
     far_key,

@@ -16,11 +16,18 @@ scores); mAP is its mean over the queries.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
+import torch
+from torch import nn
 
-from recognition.data.market1501 import JUNK_ID
+from recognition.data.market1501 import JUNK_ID, list_folder, parse_name
+from recognition.evaluation.embeddings import PathDataset, extract_embeddings, save_embeddings
+
+log = logging.getLogger(__name__)
 
 DEFAULT_RANKS = (1, 5, 10)
 
@@ -137,3 +144,75 @@ def _ids(x: np.ndarray, n: int, name: str) -> np.ndarray:
     if x.shape != (n,) or x.dtype.kind not in "iu":
         raise ValueError(f"{name} ids/cameras: expected ({n},) integers, got {x.shape} {x.dtype}")
     return x.astype(np.int64)
+
+
+# ------------------------------------------------------------- from a backbone or a file
+
+
+REID_FOLDERS = ("query", "bounding_box_test")
+"""Market-1501's probe and gallery folders under the data set root."""
+
+
+def reid_from_embeddings(embeddings: np.ndarray, paths: Sequence[str], source: str) -> dict:
+    """CMC / mAP from embeddings whose paths are ``query/<name>`` and ``bounding_box_test/<name>``.
+
+    Ids and cameras come from the Market-1501 file names. ``source`` names the embeddings in
+    errors. Returns :func:`recognition.evaluation.reid.rank_gallery`'s dict.
+    """
+    rows: dict[str, list[int]] = {folder: [] for folder in REID_FOLDERS}
+    for i, path in enumerate(paths):
+        folder = Path(path).parts[0] if Path(path).parts else ""
+        if folder in rows:
+            rows[folder].append(i)
+    for folder, indices in rows.items():
+        if not indices:
+            raise ValueError(
+                f"{source}: no embedding of a {folder}/ image (re-id needs paths "
+                f"{REID_FOLDERS[0]}/<name> and {REID_FOLDERS[1]}/<name>)"
+            )
+    parsed = {f: np.array([parse_name(paths[i]) for i in rows[f]]) for f in REID_FOLDERS}
+    query, gallery = (np.asarray(rows[f]) for f in REID_FOLDERS)
+    return rank_gallery(
+        embeddings[query],
+        parsed["query"][:, 0],
+        parsed["query"][:, 1],
+        embeddings[gallery],
+        parsed["bounding_box_test"][:, 0],
+        parsed["bounding_box_test"][:, 1],
+    )
+
+
+def evaluate_reid(
+    backbone: nn.Module,
+    root: Path,
+    image_size: int | tuple[int, int],
+    *,
+    batch_size: int = 128,
+    flip: bool = True,
+    device: torch.device | None = None,
+    progress: bool = True,
+    num_workers: int = 0,
+    export_path: Path | None = None,
+) -> dict:
+    """Re-id ranking of `backbone` on a Market-1501-style ``root`` (query/ and gallery folders).
+
+    Returns :func:`recognition.evaluation.reid.rank_gallery`'s dict; with ``export_path``
+    writes the embeddings with paths ``query/<name>``, ``bounding_box_test/<name>``.
+    """
+    paths: list[str] = []
+    for folder in REID_FOLDERS:
+        listing = list_folder(root / folder)
+        paths += [f"{folder}/{name}" for name in listing.paths]
+    embeddings = extract_embeddings(
+        backbone,
+        PathDataset(paths, size=image_size, root=root),
+        batch_size=batch_size,
+        flip=flip,
+        device=device or torch.device("cpu"),
+        num_workers=num_workers,
+        progress=progress,
+    )
+    if export_path is not None:
+        save_embeddings(export_path, embeddings, paths)
+        log.info("wrote %d embeddings to %s", len(paths), export_path)
+    return reid_from_embeddings(embeddings, paths, str(root))

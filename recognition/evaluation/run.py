@@ -13,10 +13,8 @@ import torch
 from torch import nn
 
 from recognition import distributed
-from recognition.checkpoint import load_backbone  # noqa: F401  (evaluate.py, tests)
 from recognition.config import EvalTarget, ExperimentConfig
 from recognition.data.insightface_bin import BinDataset, load_bin
-from recognition.data.market1501 import list_folder, parse_name
 from recognition.data.pairs import IMAGE_EXTENSIONS, Pairs, load_pairs, resolve_images
 from recognition.distributed import DistInfo
 from recognition.evaluation.embeddings import (
@@ -27,7 +25,7 @@ from recognition.evaluation.embeddings import (
     verify_pairs,
 )
 from recognition.evaluation.plots import plot_roc
-from recognition.evaluation.reid import format_reid_table, rank_gallery
+from recognition.evaluation.reid import format_reid_table
 from recognition.evaluation.verification import (
     evaluate_verification,
     format_table,
@@ -239,75 +237,6 @@ def write_json(path: Path, payload: object) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(payload, indent=2) + "\n")
     tmp.replace(path)
-
-
-REID_FOLDERS = ("query", "bounding_box_test")
-"""Market-1501's probe and gallery folders under the data set root."""
-
-
-def reid_from_embeddings(embeddings: np.ndarray, paths: Sequence[str], source: str) -> dict:
-    """CMC / mAP from embeddings whose paths are ``query/<name>`` and ``bounding_box_test/<name>``.
-
-    Ids and cameras come from the Market-1501 file names. ``source`` names the embeddings in
-    errors. Returns :func:`recognition.evaluation.reid.rank_gallery`'s dict.
-    """
-    rows: dict[str, list[int]] = {folder: [] for folder in REID_FOLDERS}
-    for i, path in enumerate(paths):
-        folder = Path(path).parts[0] if Path(path).parts else ""
-        if folder in rows:
-            rows[folder].append(i)
-    for folder, indices in rows.items():
-        if not indices:
-            raise ValueError(
-                f"{source}: no embedding of a {folder}/ image (re-id needs paths "
-                f"{REID_FOLDERS[0]}/<name> and {REID_FOLDERS[1]}/<name>)"
-            )
-    parsed = {f: np.array([parse_name(paths[i]) for i in rows[f]]) for f in REID_FOLDERS}
-    query, gallery = (np.asarray(rows[f]) for f in REID_FOLDERS)
-    return rank_gallery(
-        embeddings[query],
-        parsed["query"][:, 0],
-        parsed["query"][:, 1],
-        embeddings[gallery],
-        parsed["bounding_box_test"][:, 0],
-        parsed["bounding_box_test"][:, 1],
-    )
-
-
-def evaluate_reid(
-    backbone: nn.Module,
-    root: Path,
-    image_size: int | tuple[int, int],
-    *,
-    batch_size: int = 128,
-    flip: bool = True,
-    device: torch.device | None = None,
-    progress: bool = True,
-    num_workers: int = 0,
-    export_path: Path | None = None,
-) -> dict:
-    """Re-id ranking of `backbone` on a Market-1501-style ``root`` (query/ and gallery folders).
-
-    Returns :func:`recognition.evaluation.reid.rank_gallery`'s dict; with ``export_path``
-    writes the embeddings with paths ``query/<name>``, ``bounding_box_test/<name>``.
-    """
-    paths: list[str] = []
-    for folder in REID_FOLDERS:
-        listing = list_folder(root / folder)
-        paths += [f"{folder}/{name}" for name in listing.paths]
-    embeddings = extract_embeddings(
-        backbone,
-        PathDataset(paths, size=image_size, root=root),
-        batch_size=batch_size,
-        flip=flip,
-        device=device or torch.device("cpu"),
-        num_workers=num_workers,
-        progress=progress,
-    )
-    if export_path is not None:
-        save_embeddings(export_path, embeddings, paths)
-        log.info("wrote %d embeddings to %s", len(paths), export_path)
-    return reid_from_embeddings(embeddings, paths, str(root))
 
 
 def list_images(root: Path) -> list[str]:
