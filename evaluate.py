@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     from recognition.checkpoint import load_backbone
     from recognition.distributed import pick_device
     from recognition.evaluation import reid, run
+    from recognition.evaluation.embeddings import Extraction
 
     try:
         image_size_arg = None
@@ -147,12 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             targets = _targets(args) or targets
             device = pick_device(args.device)
             backbone, image_size = load_backbone(checkpoint, device)
-            common = {
-                "batch_size": args.batch_size,
-                "flip": not args.no_flip,
-                "device": device,
-                "num_workers": args.workers,
-            }
+            extraction = Extraction(args.batch_size, not args.no_flip, device, args.workers)
             image_size = image_size_arg or image_size
             is_reid = args.reid is not None
             if is_reid:
@@ -161,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                         backbone,
                         args.reid,
                         image_size,
+                        extraction,
                         export_path=args.export_embeddings,
-                        **common,
                     )
                 }
             elif not targets and args.images is not None and args.export_embeddings:
@@ -172,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.images,
                     args.export_embeddings,
                     image_size,
+                    extraction,
                     crop=args.crop,
-                    **common,
                 )
                 return 0
             else:
@@ -185,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                     backbone,
                     targets,
                     image_size,
+                    extraction,
                     export_path=args.export_embeddings,
                     xnorm=args.xnorm,
-                    **common,
                 )
         if is_reid:
             run.report_reid(results, json_path=args.json)

@@ -13,6 +13,7 @@ from PIL import Image
 from recognition import checkpoint as ckpt
 from recognition.checkpoint import load_backbone
 from recognition.config import ConfigError, config_from_dict, load_config
+from recognition.evaluation.embeddings import Extraction
 from recognition.evaluation.run import evaluate_targets
 from recognition.training import train
 
@@ -107,7 +108,9 @@ def test_periodic_eval_logs_and_keeps_the_best(data, tmp_path):
         torch.testing.assert_close(best_state[key], step_state[key], rtol=0, atol=0)
     # ... and evaluating it again gives the recorded value.
     model, size = load_backbone(run_dir / "best_backbone.pt", torch.device("cpu"))
-    again = evaluate_targets(model, evaluated.eval.targets, size, progress=False, xnorm=True)
+    again = evaluate_targets(
+        model, evaluated.eval.targets, size, Extraction(progress=False), xnorm=True
+    )
     assert again["val"]["xnorm"] == pytest.approx(best["value"], abs=1e-12)
 
     # Evaluating does not change training: the same losses as a run without it.

@@ -10,6 +10,7 @@ import os
 import tempfile
 import zipfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +72,35 @@ class PathDataset(Dataset):
         path = self.paths[index]
         full = self.root / path if self.root is not None else path
         return load_image(full, self.size, self.crop)
+
+
+@dataclass(frozen=True)
+class Extraction:
+    """How a backbone's embeddings are computed: batch size, flip-summing, device, loader
+    workers and progress bar. Calling it runs `extract_embeddings` with these settings."""
+
+    batch_size: int = 128
+    flip: bool = True
+    device: torch.device | None = None
+    num_workers: int = 0
+    progress: bool = True
+
+    def __call__(
+        self, model: nn.Module, images: Dataset, **options: bool
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        return extract_embeddings(
+            model,
+            images,
+            batch_size=self.batch_size,
+            flip=self.flip,
+            device=self.device or torch.device("cpu"),
+            num_workers=self.num_workers,
+            progress=self.progress,
+            **options,
+        )
+
+
+DEFAULT_EXTRACTION = Extraction()
 
 
 def extract_embeddings(

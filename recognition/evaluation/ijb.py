@@ -37,7 +37,7 @@ from torch.utils.data import Dataset
 from recognition.checkpoint import load_backbone
 from recognition.data.alignment import align_face, template_points
 from recognition.data.transforms import load_rgb, to_input_tensor
-from recognition.evaluation.embeddings import extract_embeddings
+from recognition.evaluation.embeddings import DEFAULT_EXTRACTION, Extraction
 from recognition.evaluation.plots import plot_roc
 from recognition.evaluation.run import write_json
 from recognition.evaluation.verification import (
@@ -285,12 +285,7 @@ def image_features(
     backbone: nn.Module,
     protocol: IJBProtocol,
     image_size: int | Sequence[int],
-    *,
-    batch_size: int = 128,
-    flip: bool = True,
-    device: torch.device | None = None,
-    num_workers: int = 0,
-    progress: bool = True,
+    extraction: Extraction = DEFAULT_EXTRACTION,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Raw features (I, D) float32 of the protocol's images and a readable mask (I,).
 
@@ -302,16 +297,7 @@ def image_features(
         template_points(image_size)
         image_size = int(image_size[0])
     dataset = AlignedFaces(protocol.image_root, protocol.images, protocol.landmarks, image_size)
-    features = extract_embeddings(
-        backbone,
-        dataset,
-        batch_size=batch_size,
-        flip=flip,
-        device=device or torch.device("cpu"),
-        num_workers=num_workers,
-        progress=progress,
-        normalize=False,
-    )
+    features = extraction(backbone, dataset, normalize=False)
     readable = np.isfinite(features).all(axis=1)
     features[~readable] = 0.0
     return features, readable
@@ -625,16 +611,8 @@ def evaluate_ijb(
         device = device or torch.device("cpu")
         backbone, trained_size = load_backbone(checkpoint, device)
         image_size = image_size or trained_size
-        features, readable = image_features(
-            backbone,
-            protocol,
-            image_size,
-            batch_size=batch_size,
-            flip=flip,
-            device=device,
-            num_workers=num_workers,
-            progress=progress,
-        )
+        extraction = Extraction(batch_size, flip, device, num_workers, progress)
+        features, readable = image_features(backbone, protocol, image_size, extraction)
         if features_path is not None:
             settings["image_size"] = _size_text(image_size)
             save_features(features_path, features, readable, protocol.images, settings)

@@ -21,11 +21,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 from torch import nn
 
 from recognition.data.market1501 import JUNK_ID, list_folder, parse_name
-from recognition.evaluation.embeddings import PathDataset, extract_embeddings, save_embeddings
+from recognition.evaluation.embeddings import (
+    DEFAULT_EXTRACTION,
+    Extraction,
+    PathDataset,
+    save_embeddings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -186,12 +190,8 @@ def evaluate_reid(
     backbone: nn.Module,
     root: Path,
     image_size: int | tuple[int, int],
+    extraction: Extraction = DEFAULT_EXTRACTION,
     *,
-    batch_size: int = 128,
-    flip: bool = True,
-    device: torch.device | None = None,
-    progress: bool = True,
-    num_workers: int = 0,
     export_path: Path | None = None,
 ) -> dict:
     """Re-id ranking of `backbone` on a Market-1501-style ``root`` (query/ and gallery folders).
@@ -203,15 +203,7 @@ def evaluate_reid(
     for folder in REID_FOLDERS:
         listing = list_folder(root / folder)
         paths += [f"{folder}/{name}" for name in listing.paths]
-    embeddings = extract_embeddings(
-        backbone,
-        PathDataset(paths, size=image_size, root=root),
-        batch_size=batch_size,
-        flip=flip,
-        device=device or torch.device("cpu"),
-        num_workers=num_workers,
-        progress=progress,
-    )
+    embeddings = extraction(backbone, PathDataset(paths, size=image_size, root=root))
     if export_path is not None:
         save_embeddings(export_path, embeddings, paths)
         log.info("wrote %d embeddings to %s", len(paths), export_path)

@@ -18,8 +18,9 @@ from recognition.data.insightface_bin import BinDataset, load_bin
 from recognition.data.pairs import IMAGE_EXTENSIONS, Pairs, load_pairs, resolve_images
 from recognition.distributed import DistInfo
 from recognition.evaluation.embeddings import (
+    DEFAULT_EXTRACTION,
+    Extraction,
     PathDataset,
-    extract_embeddings,
     index_paths,
     save_embeddings,
     verify_pairs,
@@ -62,16 +63,8 @@ def evaluate_config_targets(
     `model`: a float32 backbone in eval mode (during training, a copy of the backbone, which
     may be held in half precision and must keep its own mode). Returns {target: metrics}.
     """
-    return evaluate_targets(
-        model,
-        cfg.eval.targets,
-        cfg.eval_image_hw,
-        batch_size=cfg.eval.batch_size,
-        flip=cfg.eval.flip,
-        device=device,
-        progress=progress,
-        xnorm=xnorm,
-    )
+    extraction = Extraction(cfg.eval.batch_size, cfg.eval.flip, device, progress=progress)
+    return evaluate_targets(model, cfg.eval.targets, cfg.eval_image_hw, extraction, xnorm=xnorm)
 
 
 def check_targets(targets: Sequence[EvalTarget]) -> None:
@@ -126,12 +119,8 @@ def evaluate_target(
     backbone: nn.Module,
     target: EvalTarget,
     image_size: int | tuple[int, int],
+    extraction: Extraction = DEFAULT_EXTRACTION,
     *,
-    batch_size: int = 128,
-    flip: bool = True,
-    device: torch.device | None = None,
-    progress: bool = True,
-    num_workers: int = 0,
     xnorm: bool = False,
 ) -> tuple[dict, np.ndarray, list[str]]:
     """Verification of `backbone` on one target (a pairs file or a .bin).
@@ -140,26 +129,17 @@ def evaluate_target(
     the image root, for a .bin ``"<file name>/<index>"``. With ``xnorm`` the metrics hold
     ``xnorm``, the mean norm of the raw embeddings of the (unflipped) images.
     """
-    device = device or torch.device("cpu")
-    common = {
-        "batch_size": batch_size,
-        "flip": flip,
-        "device": device,
-        "num_workers": num_workers,
-        "progress": progress,
-        "return_norms": True,
-    }
     if target.bin is not None:
         bin_pairs = load_bin(target.bin)
         dataset = BinDataset(bin_pairs, size=image_size, crop=target.crop)
-        embeddings, norms = extract_embeddings(backbone, dataset, **common)
+        embeddings, norms = extraction(backbone, dataset, return_norms=True)
         paths = [f"{Path(target.bin).name}/{i}" for i in range(len(dataset))]
         results = verify_consecutive(embeddings, bin_pairs.issame)
     else:
         pairs, root = load_target(target)
         paths = pairs.images()
         dataset = PathDataset(paths, size=image_size, root=root, crop=target.crop)
-        embeddings, norms = extract_embeddings(backbone, dataset, **common)
+        embeddings, norms = extraction(backbone, dataset, return_norms=True)
         results = verify_pairs(embeddings, index_paths(paths), pairs)
     if xnorm:
         results["xnorm"] = float(np.mean(norms, dtype=np.float64))
@@ -170,12 +150,8 @@ def evaluate_targets(
     backbone: nn.Module,
     targets: Sequence[EvalTarget],
     image_size: int | tuple[int, int],
+    extraction: Extraction = DEFAULT_EXTRACTION,
     *,
-    batch_size: int = 128,
-    flip: bool = True,
-    device: torch.device | None = None,
-    progress: bool = True,
-    num_workers: int = 0,
     export_path: Path | None = None,
     xnorm: bool = False,
 ) -> dict[str, dict]:
@@ -188,15 +164,7 @@ def evaluate_targets(
     for target in targets:
         name = target_name(target)
         results[name], embeddings, paths = evaluate_target(
-            backbone,
-            target,
-            image_size,
-            batch_size=batch_size,
-            flip=flip,
-            device=device,
-            progress=progress,
-            num_workers=num_workers,
-            xnorm=xnorm,
+            backbone, target, image_size, extraction, xnorm=xnorm
         )
         if export_path is not None:
             out = export_path
@@ -259,12 +227,8 @@ def export_folder(
     root: Path,
     out: Path,
     image_size: int | tuple[int, int],
+    extraction: Extraction = DEFAULT_EXTRACTION,
     *,
-    batch_size: int = 128,
-    flip: bool = True,
-    device: torch.device | None = None,
-    progress: bool = True,
-    num_workers: int = 0,
     crop: int | None = None,
 ) -> int:
     """Embed every image under ``root`` and write ``out`` (.npz: embeddings, relative paths).
@@ -272,15 +236,7 @@ def export_folder(
     Returns the number of images.
     """
     paths = list_images(root)
-    embeddings = extract_embeddings(
-        backbone,
-        PathDataset(paths, size=image_size, root=root, crop=crop),
-        batch_size=batch_size,
-        flip=flip,
-        device=device or torch.device("cpu"),
-        num_workers=num_workers,
-        progress=progress,
-    )
+    embeddings = extraction(backbone, PathDataset(paths, size=image_size, root=root, crop=crop))
     save_embeddings(out, embeddings, paths)
     log.info("wrote %d embeddings to %s", len(paths), out)
     return len(paths)
