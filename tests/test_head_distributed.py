@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import traceback
 from pathlib import Path
@@ -22,55 +21,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from test_head import MARGIN_CASES
 
 from recognition import distributed
-from recognition.heads import (
-    AMSoftmax,
-    ArcFace,
-    CombinedMargin,
-    CosFace,
-    ShardedMarginSoftmax,
-    SphereFace,
-    shard_range,
-)
+from recognition.heads import CosFace, ShardedMarginSoftmax, shard_range
 
-PI = math.pi
 NUM_CLASSES = 23  # 23 % W != 0 for W = 2, 3, 4: uneven shards
 EMBEDDING_SIZE = 8
 LOCAL_BATCH = 3
 
 
 # ---- reference ---------------------------------------------------------------------------
-
-
-def psi_arcface(theta, m):
-    return torch.where(theta + m <= PI, torch.cos(theta + m), torch.cos(theta) + math.cos(m) - 1)
-
-
-def psi_sphereface(theta, m):
-    k = torch.floor(m * theta / PI).detach()
-    return (-1.0) ** k * torch.cos(m * theta) - 2 * k
-
-
-def psi_combined(theta, m1, m2, m3):
-    theta_b = (PI - m2) / m1
-    main = torch.cos(m1 * theta + m2) - m3
-    return torch.where(theta <= theta_b, main, torch.cos(theta) - math.cos(theta_b) - 1 - m3)
-
-
-# (id, margin factory, s, psi(theta))
-MARGIN_CASES = [
-    ("arcface", lambda: ArcFace(), 64.0, lambda t: psi_arcface(t, 0.5)),
-    ("cosface", lambda: CosFace(), 64.0, lambda t: torch.cos(t) - 0.4),
-    ("am_softmax", lambda: AMSoftmax(), 30.0, lambda t: torch.cos(t) - 0.35),
-    ("sphereface", lambda: SphereFace(s=16.0), 16.0, lambda t: psi_sphereface(t, 4)),
-    (
-        "combined",
-        lambda: CombinedMargin(s=32.0, m1=1.35, m2=0.25, m3=0.1),
-        32.0,
-        lambda t: psi_combined(t, 1.35, 0.25, 0.1),
-    ),
-]
 
 
 def reference(embeddings, weight, labels, scale, psi, columns=None):
@@ -284,7 +245,7 @@ def check_bad_inputs_raise_on_every_rank(check, rank, world_size):
             check.true(f"W={world_size} {name}: message {error}", expected in str(error))
 
 
-def worker(rank, world_size, rendezvous, out_dir):
+def worker(rank, world_size, rendezvous, out_dir, checks):
     torch.set_num_threads(1)
     check = Checker()
     try:
@@ -295,10 +256,8 @@ def worker(rank, world_size, rendezvous, out_dir):
             world_size=world_size,
             timeout=datetime.timedelta(seconds=60),
         )
-        check_exact_cases(check, rank, world_size)
-        check_backbone_under_ddp(check, rank, world_size)
-        check_partial_fc(check, rank, world_size)
-        check_bad_inputs_raise_on_every_rank(check, rank, world_size)
+        for run_check in checks:
+            run_check(check, rank, world_size)
     except Exception:  # report, so the test shows the traceback rather than a bare exit code
         check.failures.append(traceback.format_exc())
     finally:
@@ -312,11 +271,11 @@ def worker(rank, world_size, rendezvous, out_dir):
         os._exit(0)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_sharded_head_matches_single_process_reference(world_size, tmp_path):
+def assert_checks_pass_on_ranks(world_size, tmp_path, checks):
+    """Run each of `checks` (check, rank, world size) on `world_size` gloo ranks."""
     mp.spawn(
         worker,
-        args=(world_size, str(tmp_path / "rendezvous"), str(tmp_path)),
+        args=(world_size, str(tmp_path / "rendezvous"), str(tmp_path), checks),
         nprocs=world_size,
         join=True,
     )
@@ -326,3 +285,17 @@ def test_sharded_head_matches_single_process_reference(world_size, tmp_path):
             f"rank {rank}: {f}" for f in json.loads((tmp_path / f"rank{rank}.json").read_text())
         ]
     assert not failures, "\n".join(failures[:20]) + f"\n({len(failures)} failures)"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_sharded_head_matches_single_process_reference(world_size, tmp_path):
+    assert_checks_pass_on_ranks(
+        world_size,
+        tmp_path,
+        (
+            check_exact_cases,
+            check_backbone_under_ddp,
+            check_partial_fc,
+            check_bad_inputs_raise_on_every_rank,
+        ),
+    )

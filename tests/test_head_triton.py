@@ -19,16 +19,10 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import datetime  # noqa: E402
-import json  # noqa: E402
 import logging  # noqa: E402
-import traceback  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 from conftest import interpreter_scalars_as_indices  # noqa: E402
 from test_head import (  # noqa: E402
     MARGIN_CASES,
@@ -358,30 +352,6 @@ def check_triton_ranks(check, rank, world_size):
     check.close(f"W={world_size} triton partial FC: grad embeddings", grad_e, ref_grad_e, 1e-5)
 
 
-def worker(rank, world_size, rendezvous, out_dir):
-    import test_head_distributed as hd
-
-    torch.set_num_threads(1)
-    check = hd.Checker()
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{rendezvous}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        check_triton_ranks(check, rank, world_size)
-    except Exception:
-        check.failures.append(traceback.format_exc())
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(check.failures))
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-        os._exit(0)  # see test_head_distributed.worker
-
-
 def test_triton_head_on_one_rank_matches_single_process_reference():
     # World size 1 needs no process group: run in this process, sparing a spawn.
     import test_head_distributed as hd
@@ -393,15 +363,6 @@ def test_triton_head_on_one_rank_matches_single_process_reference():
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_triton_head_on_gloo_ranks_matches_single_process_reference(world_size, tmp_path):
-    mp.spawn(
-        worker,
-        args=(world_size, str(tmp_path / "rendezvous"), str(tmp_path)),
-        nprocs=world_size,
-        join=True,
-    )
-    failures = []
-    for rank in range(world_size):
-        failures += [
-            f"rank {rank}: {f}" for f in json.loads((tmp_path / f"rank{rank}.json").read_text())
-        ]
-    assert not failures, "\n".join(failures[:20]) + f"\n({len(failures)} failures)"
+    import test_head_distributed as hd
+
+    hd.assert_checks_pass_on_ranks(world_size, tmp_path, (check_triton_ranks,))
