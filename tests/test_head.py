@@ -111,6 +111,18 @@ def test_shard_range_examples():
     assert shard_range(5, 1, 0) == (0, 5)
 
 
+def assert_matches_reference(head, embeddings, labels, scale, psi, rel):
+    """Loss and both gradients of `head` within `rel` of the float64 reference; returns them."""
+    loss, grad_embeddings, grad_weight = run_head(head, embeddings, labels)
+    ref_loss, ref_grad_embeddings, ref_grad_weight, _ = reference_loss(
+        embeddings, head.weight, labels, scale, psi
+    )
+    assert_close_rel(loss, ref_loss, rel)
+    assert_close_rel(grad_embeddings, ref_grad_embeddings, rel)
+    assert_close_rel(grad_weight, ref_grad_weight, rel)
+    return loss, grad_embeddings, grad_weight
+
+
 @pytest.mark.parametrize(
     ("args", "name"),
     [((10, 0, 0), "world_size"), ((10, 3, 3), "rank"), ((10, 3, -1), "rank"), ((-1, 2, 0), "num")],
@@ -198,14 +210,8 @@ def test_matches_reference_float64(case, chunk_size):
     head = ShardedMarginSoftmax(23, 16, make_margin(), chunk_size=chunk_size).double()
     embeddings, labels = make_batch(23, 16, 12, seed=2)
     labels[:4] = 5  # duplicate labels: several rows share one class row
-    loss, grad_embeddings, grad_weight = run_head(head, embeddings, labels)
-    ref_loss, ref_grad_embeddings, ref_grad_weight, _ = reference_loss(
-        embeddings, head.weight, labels, scale, psi
-    )
+    loss, _, _ = assert_matches_reference(head, embeddings, labels, scale, psi, 1e-10)
     assert loss.dtype == torch.float64 and loss.shape == ()
-    assert_close_rel(loss, ref_loss, 1e-10)
-    assert_close_rel(grad_embeddings, ref_grad_embeddings, 1e-10)
-    assert_close_rel(grad_weight, ref_grad_weight, 1e-10)
 
 
 @pytest.mark.parametrize("chunk_size", [None, 3])
@@ -215,13 +221,7 @@ def test_batch_of_one(case, chunk_size):
     torch.manual_seed(3)
     head = ShardedMarginSoftmax(7, 8, make_margin(), chunk_size=chunk_size).double()
     embeddings, labels = make_batch(7, 8, 1, seed=4)
-    loss, grad_embeddings, grad_weight = run_head(head, embeddings, labels)
-    ref_loss, ref_grad_embeddings, ref_grad_weight, _ = reference_loss(
-        embeddings, head.weight, labels, scale, psi
-    )
-    assert_close_rel(loss, ref_loss, 1e-10)
-    assert_close_rel(grad_embeddings, ref_grad_embeddings, 1e-10)
-    assert_close_rel(grad_weight, ref_grad_weight, 1e-10)
+    assert_matches_reference(head, embeddings, labels, scale, psi, 1e-10)
 
 
 @pytest.mark.parametrize("chunk_size", [None, 5])
@@ -231,15 +231,11 @@ def test_matches_reference_float32(case, chunk_size):
     torch.manual_seed(5)
     head = ShardedMarginSoftmax(37, 32, make_margin(), chunk_size=chunk_size)
     embeddings, labels = make_batch(37, 32, 16, seed=6, dtype=torch.float32)
-    loss, grad_embeddings, grad_weight = run_head(head, embeddings, labels)
-    ref_loss, ref_grad_embeddings, ref_grad_weight, _ = reference_loss(
-        embeddings, head.weight, labels, scale, psi
+    loss, grad_embeddings, grad_weight = assert_matches_reference(
+        head, embeddings, labels, scale, psi, 1e-5
     )
     assert loss.dtype == torch.float32
     assert grad_weight.dtype == torch.float32 and grad_embeddings.dtype == torch.float32
-    assert_close_rel(loss, ref_loss, 1e-5)
-    assert_close_rel(grad_embeddings, ref_grad_embeddings, 1e-5)
-    assert_close_rel(grad_weight, ref_grad_weight, 1e-5)
 
 
 def test_accuracy_matches_reference_argmax():
