@@ -33,7 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from PIL import Image
+from helpers import folder_overrides, make_image_folder
 from torch import nn
 
 import recognition.training.build as training_build
@@ -60,20 +60,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_image_folder(root: Path) -> Path:
-    """12 identities x 6 images of 32x32: each identity a bright square at its own place."""
-    rng = np.random.default_rng(0)
-    for c in range(12):
-        folder = root / f"id{c:02d}"
-        folder.mkdir(parents=True)
-        for n in range(6):
-            image = rng.integers(0, 60, size=(32, 32, 3), dtype=np.uint8)
-            y, x = 4 + (c % 4) * 7, 4 + (c // 4) * 9
-            image[y : y + 6, x : x + 6] = 200 + n
-            Image.fromarray(image).save(folder / f"{n}.jpg", quality=95)
-    return root
-
-
 @pytest.fixture(scope="module")
 def image_folder(tmp_path_factory) -> Path:
     return make_image_folder(tmp_path_factory.mktemp("faces"))
@@ -81,11 +67,7 @@ def image_folder(tmp_path_factory) -> Path:
 
 def tiny_overrides(image_folder: Path, out: Path, world_size: int, *extra: str) -> list[str]:
     return [
-        f"output_dir={out}",
-        f"data.root={image_folder}",
-        "data.synthetic.enabled=false",
-        "data.image_size=32",
-        "data.num_workers=0",
+        *folder_overrides(image_folder, out),
         "model.embedding_size=16",
         f"train.batch_size={GLOBAL_BATCH // world_size}",
         "train.epochs=2",
@@ -346,11 +328,7 @@ def test_ranks_match_one_process_and_resume_on_other_world_sizes(
 def cli_overrides(image_folder: Path, out: Path, *extra: str) -> list[str]:
     """The real CLI and backbone (an IResNet-18 at 1/8 width) on the tiny folder."""
     return [
-        f"output_dir={out}",
-        f"data.root={image_folder}",
-        "data.synthetic.enabled=false",
-        "data.image_size=32",
-        "data.num_workers=0",
+        *folder_overrides(image_folder, out),
         "model.width=0.125",
         "model.embedding_size=16",
         "train.batch_size=4",

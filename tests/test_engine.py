@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from helpers import folder_overrides, make_image_folder
 
 from recognition import checkpoint as ckpt
 from recognition.config import load_config
@@ -19,29 +19,14 @@ from recognition.training import TrainingError, train, train_step
 
 @pytest.fixture(scope="module")
 def image_folder(tmp_path_factory) -> Path:
-    """12 identities x 6 images of 32x32: each identity a colour blob at its own place."""
-    root = tmp_path_factory.mktemp("faces")
-    rng = np.random.default_rng(0)
-    for c in range(12):
-        folder = root / f"id{c:02d}"
-        folder.mkdir()
-        for n in range(6):
-            image = rng.integers(0, 60, size=(32, 32, 3), dtype=np.uint8)
-            y, x = 4 + (c % 4) * 7, 4 + (c // 4) * 9
-            image[y : y + 6, x : x + 6] = 200 + n
-            Image.fromarray(image).save(folder / f"{n}.jpg", quality=95)
-    return root
+    return make_image_folder(tmp_path_factory.mktemp("faces"))
 
 
 def tiny_config(image_folder: Path, out: Path, *extra: str):
     return load_config(
         "default",
         [
-            f"output_dir={out}",
-            f"data.root={image_folder}",
-            "data.synthetic.enabled=false",
-            "data.image_size=32",
-            "data.num_workers=0",
+            *folder_overrides(image_folder, out),
             "model.backbone=iresnet18",
             "model.width=0.125",
             "model.embedding_size=16",

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import folder_overrides
 from PIL import Image
 
 from recognition import checkpoint as ckpt
@@ -53,11 +54,7 @@ def config(train_root: Path, out: Path, *extra: str):
 
 def config_overrides(train_root: Path, out: Path, *extra: str) -> list[str]:
     return [
-        f"output_dir={out}",
-        f"data.root={train_root}",
-        "data.synthetic.enabled=false",
-        "data.image_size=32",
-        "data.num_workers=0",
+        *folder_overrides(train_root, out),
         "model.width=0.125",
         "model.embedding_size=16",
         "train.batch_size=8",

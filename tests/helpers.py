@@ -1,0 +1,34 @@
+"""Small fixtures shared by the training tests: a tiny image folder and the overrides that
+point a config at it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+
+def make_image_folder(root: Path) -> Path:
+    """12 identities x 6 images of 32x32: each identity a bright square at its own place."""
+    rng = np.random.default_rng(0)
+    for c in range(12):
+        folder = root / f"id{c:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for n in range(6):
+            image = rng.integers(0, 60, size=(32, 32, 3), dtype=np.uint8)
+            y, x = 4 + (c % 4) * 7, 4 + (c // 4) * 9
+            image[y : y + 6, x : x + 6] = 200 + n
+            Image.fromarray(image).save(folder / f"{n}.jpg", quality=95)
+    return root
+
+
+def folder_overrides(root: Path, out: Path) -> list[str]:
+    """Train on the image folder `root` at 32x32 in this process, writing to `out`."""
+    return [
+        f"output_dir={out}",
+        f"data.root={root}",
+        "data.synthetic.enabled=false",
+        "data.image_size=32",
+        "data.num_workers=0",
+    ]
