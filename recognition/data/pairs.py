@@ -82,6 +82,9 @@ class Pairs:
         return f"{self.source}:{int(self.line_numbers[i])}"
 
 
+PAIR_FIELDS = {"same": "3 fields 'name n1 n2'", "different": "4 fields 'name1 n1 name2 n2'"}
+
+
 def image_path(name: str, number: int, ext: str = "jpg") -> str:
     """The LFW relative path of image ``number`` of identity ``name``."""
     return f"{name}/{name}_{number:04d}.{ext.lstrip('.')}"
@@ -125,31 +128,21 @@ def load_pairs(path: str | os.PathLike, ext: str = "jpg") -> Pairs:
         fold_idx, pos = divmod(k, 2 * per_fold)
         is_same = pos < per_fold
         where = f"{path}:{line_no}"
-        if is_same:
-            if len(fields) != 3:
-                raise ValueError(
-                    f"{where}: expected 3 fields 'name n1 n2' for same-identity pair "
-                    f"{pos + 1} of fold {fold_idx + 1}, got {len(fields)}: {' '.join(fields)!r} "
-                    f"(the header on line {header_line} gives {per_fold} same then "
-                    f"{per_fold} different pairs per fold)"
-                )
-            name = _check_name(fields[0], where)
-            n1 = _parse_number(fields[1], where)
-            n2 = _parse_number(fields[2], where)
-            a, b = image_path(name, n1, ext), image_path(name, n2, ext)
-        else:
-            if len(fields) != 4:
-                raise ValueError(
-                    f"{where}: expected 4 fields 'name1 n1 name2 n2' for different-identity "
-                    f"pair {pos - per_fold + 1} of fold {fold_idx + 1}, got {len(fields)}: "
-                    f"{' '.join(fields)!r} (the header on line {header_line} gives "
-                    f"{per_fold} same then {per_fold} different pairs per fold)"
-                )
-            name1 = _check_name(fields[0], where)
-            n1 = _parse_number(fields[1], where)
-            name2 = _check_name(fields[2], where)
-            n2 = _parse_number(fields[3], where)
-            a, b = image_path(name1, n1, ext), image_path(name2, n2, ext)
+        kind = "same" if is_same else "different"
+        number_in_kind = pos + 1 if is_same else pos - per_fold + 1
+        if len(fields) != (3 if is_same else 4):
+            raise ValueError(
+                f"{where}: expected {PAIR_FIELDS[kind]} for {kind}-identity pair "
+                f"{number_in_kind} of fold {fold_idx + 1}, got {len(fields)}: "
+                f"{' '.join(fields)!r} (the header on line {header_line} gives {per_fold} "
+                f"same then {per_fold} different pairs per fold)"
+            )
+        if is_same:  # name n1 n2: both images of one identity
+            fields = [fields[0], fields[1], fields[0], fields[2]]
+        a, b = (
+            image_path(_check_name(name, where), parse_count(number, where), ext)
+            for name, number in (fields[0:2], fields[2:4])
+        )
         left.append(a)
         right.append(b)
         issame.append(is_same)
@@ -320,13 +313,14 @@ def _parse_header(header: list[str], path: Path, line_no: int) -> tuple[int, int
     return values[0], values[1]
 
 
-def _parse_number(text: str, where: str) -> int:
+def parse_count(text: str, where: str, field: str = "image number") -> int:
+    """`text` as an integer >= 0; a ValueError naming `where` and `field` otherwise."""
     try:
         number = int(text)
     except ValueError:
-        raise ValueError(f"{where}: image number must be an integer, got {text!r}") from None
+        raise ValueError(f"{where}: {field} must be an integer, got {text!r}") from None
     if number < 0:
-        raise ValueError(f"{where}: image number must be >= 0, got {number}")
+        raise ValueError(f"{where}: {field} must be >= 0, got {number}")
     return number
 
 

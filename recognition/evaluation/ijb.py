@@ -36,6 +36,7 @@ from torch.utils.data import Dataset
 
 from recognition.checkpoint import load_backbone
 from recognition.data.alignment import align_face, template_points
+from recognition.data.pairs import parse_count
 from recognition.data.transforms import load_rgb, to_input_tensor
 from recognition.evaluation.embeddings import DEFAULT_EXTRACTION, Extraction
 from recognition.evaluation.plots import plot_roc
@@ -118,16 +119,6 @@ def _rows(path: Path, num_fields: int, what: str):
         raise ValueError(f"{path}: no lines; expected {what}")
 
 
-def _integer(value: str, where: str, field: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise ValueError(f"{where}: {field} must be an integer, got {value!r}") from None
-    if number < 0:
-        raise ValueError(f"{where}: {field} must be >= 0, got {number}")
-    return number
-
-
 def _image_name(value: str, where: str) -> str:
     # Names come from a downloaded file: keep them inside loose_crop/.
     parts = value.replace("\\", "/").split("/")
@@ -142,8 +133,8 @@ def read_faces(path: Path) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarra
     for number, (image, template, medium) in _rows(path, 3, "image file, template id, media id"):
         where = f"{path}:{number}"
         names.append(_image_name(image, where))
-        templates.append(_integer(template, where, "template id"))
-        media.append(_integer(medium, where, "media id"))
+        templates.append(parse_count(template, where, "template id"))
+        media.append(parse_count(medium, where, "media id"))
         lines.append(number)
     return names, np.array(templates, np.int64), np.array(media, np.int64), np.array(lines)
 
@@ -153,7 +144,9 @@ def read_pairs(path: Path) -> tuple[np.ndarray, np.ndarray]:
     pairs, labels = [], []
     for number, (first, second, label) in _rows(path, 3, "template 1, template 2, label 0/1"):
         where = f"{path}:{number}"
-        pairs.append((_integer(first, where, "template 1"), _integer(second, where, "template 2")))
+        pairs.append(
+            (parse_count(first, where, "template 1"), parse_count(second, where, "template 2"))
+        )
         if label not in ("0", "1"):
             raise ValueError(f"{where}: label must be 0 or 1, got {label!r}")
         labels.append(label == "1")
