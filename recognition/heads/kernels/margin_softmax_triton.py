@@ -156,6 +156,23 @@ def _load_rows(W, ROW_INDEX, offs_c, c_mask, offs_d, d_mask, stride_wc, HAS_INDE
 
 
 @triton.jit
+def _row_block(E, TARGET, num_rows, dim, stride_en, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):
+    """This program's rows: offsets and mask, the padded dimension's offsets and mask, the
+    embeddings transposed (D_PAD, BLOCK_N), loaded once for every class tile, and targets."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < num_rows
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < dim
+    e_t = tl.load(
+        E + offs_n[None, :] * stride_en + offs_d[:, None],
+        mask=n_mask[None, :] & d_mask[:, None],
+        other=0.0,
+    )
+    target = tl.load(TARGET + offs_n, mask=n_mask, other=-1)
+    return offs_n, n_mask, offs_d, d_mask, e_t, target
+
+
+@triton.jit
 def _forward_kernel(
     W, ROW_INDEX, E, INV_NORM, TARGET, PART_MAX, PART_SUM,
     num_classes, num_rows, dim, stride_wc, stride_en, scale, tiles_per_split,
@@ -163,19 +180,10 @@ def _forward_kernel(
     D_PAD: tl.constexpr, MM_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < num_rows
-    offs_d = tl.arange(0, D_PAD)
-    d_mask = offs_d < dim
-    # The block's embeddings, transposed (D_PAD, BLOCK_N), loaded once for every class tile.
-    e_t = tl.load(
-        E + offs_n[None, :] * stride_en + offs_d[:, None],
-        mask=n_mask[None, :] & d_mask[:, None],
-        other=0.0,
+    offs_n, n_mask, offs_d, d_mask, e_t, target = _row_block(
+        E, TARGET, num_rows, dim, stride_en, BLOCK_N, D_PAD
     )
-    target = tl.load(TARGET + offs_n, mask=n_mask, other=-1)
     row_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     row_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for t in range(0, tiles_per_split):
@@ -219,18 +227,10 @@ def _grad_embeddings_kernel(
     BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, MM_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < num_rows
-    offs_d = tl.arange(0, D_PAD)
-    d_mask = offs_d < dim
-    e_t = tl.load(
-        E + offs_n[None, :] * stride_en + offs_d[:, None],
-        mask=n_mask[None, :] & d_mask[:, None],
-        other=0.0,
+    offs_n, n_mask, offs_d, d_mask, e_t, target = _row_block(
+        E, TARGET, num_rows, dim, stride_en, BLOCK_N, D_PAD
     )
-    target = tl.load(TARGET + offs_n, mask=n_mask, other=-1)
     shift = tl.load(SHIFT + offs_n, mask=n_mask, other=0.0)
     grad_scale = tl.load(GRAD_SCALE + offs_n, mask=n_mask, other=0.0)
     acc = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
