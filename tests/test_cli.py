@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import folder_overrides
 from PIL import Image
 
 import evaluate
@@ -25,11 +26,7 @@ def make_folder(root: Path, num_ids: int = 4, num_images: int = 4, size: int = 3
 
 def tiny_args(data: Path, out: Path) -> list[str]:
     return [
-        f"output_dir={out}",
-        f"data.root={data}",
-        "data.synthetic.enabled=false",
-        "data.image_size=32",
-        "data.num_workers=0",
+        *folder_overrides(data, out),
         "model.width=0.125",
         "model.embedding_size=8",
         "train.batch_size=4",

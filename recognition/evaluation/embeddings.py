@@ -223,6 +223,18 @@ def save_embeddings(path: str | os.PathLike, embeddings: np.ndarray, paths: Sequ
         raise
 
 
+def open_npz(path: Path, what: str) -> np.lib.npyio.NpzFile:
+    """`path` opened as an .npz archive without pickle (a file from elsewhere must not be
+    able to run code here); a ValueError naming the file and `what` it should be otherwise."""
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path}: not a readable {what} (.npz): {e}") from e
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path}: expected an .npz {what}, found a single .npy array")
+    return data
+
+
 def load_embeddings(path: str | os.PathLike) -> tuple[np.ndarray, list[str]]:
     """Read an ``.npz`` written by :func:`save_embeddings`: (embeddings (N, D) float32, paths).
 
@@ -232,14 +244,7 @@ def load_embeddings(path: str | os.PathLike) -> tuple[np.ndarray, list[str]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"embeddings file not found: {path}")
-    try:
-        # allow_pickle=False: a file from elsewhere must not be able to run code here.
-        data = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-        raise ValueError(f"{path}: not a readable .npz file: {e}") from e
-    if not isinstance(data, np.lib.npyio.NpzFile):
-        raise ValueError(f"{path}: expected an .npz archive, found a single .npy array")
-    with data:
+    with open_npz(path, "embeddings file") as data:
         missing = [k for k in ("embeddings", "paths") if k not in data.files]
         if missing:
             raise ValueError(

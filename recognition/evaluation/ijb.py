@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-import zipfile
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from recognition.checkpoint import load_backbone
 from recognition.data.alignment import align_face, template_points
 from recognition.data.pairs import parse_count
 from recognition.data.transforms import load_rgb, to_input_tensor
-from recognition.evaluation.embeddings import DEFAULT_EXTRACTION, Extraction
+from recognition.evaluation.embeddings import DEFAULT_EXTRACTION, Extraction, open_npz
 from recognition.evaluation.plots import plot_roc
 from recognition.evaluation.run import write_json
 from recognition.evaluation.verification import (
@@ -336,13 +335,7 @@ def load_features(
     ``images`` (another set), or was made with other ``settings`` (naming the setting).
     """
     path = Path(path)
-    try:
-        data = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-        raise ValueError(f"{path}: not a readable features file: {exc}") from exc
-    if not isinstance(data, np.lib.npyio.NpzFile):
-        raise ValueError(f"{path}: expected an .npz features file")
-    with data:
+    with open_npz(path, "features file") as data:
         missing = [k for k in ("features", "readable", "images") if k not in data.files]
         if missing:
             raise ValueError(f"{path}: missing key(s) {missing}; not an IJB features file")
