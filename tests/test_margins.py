@@ -129,13 +129,18 @@ def test_half_input_computes_and_returns_float32(case, dtype):
     assert torch.isfinite(cos.grad).all()
 
 
+def away_from(points, joints, distance):
+    """The points farther than `distance` from every joint."""
+    for joint in joints:
+        points = points[(points - joint).abs() > distance]
+    return points
+
+
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_gradcheck_interior(case):
     _, margin, _, joints = case
-    points = torch.linspace(-0.97, 0.97, 23, dtype=torch.float64)
-    for joint in joints:
-        # Keep the finite differences away from the joints of the pieces.
-        points = points[(points - joint).abs() > 1e-3]
+    # Keep the finite differences away from the joints of the pieces.
+    points = away_from(torch.linspace(-0.97, 0.97, 23, dtype=torch.float64), joints, 1e-3)
     points.requires_grad_(True)
     assert torch.autograd.gradcheck(margin, (points,), eps=1e-6, atol=1e-7, rtol=1e-6)
 
@@ -145,10 +150,8 @@ def test_gradient_matches_acos_reference(case):
     # gradcheck compares against the code's own values; this compares the slope with the
     # slope of the independent formula (autograd through acos), away from +-1.
     _, margin, reference, joints = case
-    cos = torch.linspace(-0.99, 0.99, 199, dtype=torch.float64)
-    for joint in joints:
-        # At the fallback's joint psi has two one-sided slopes; skip that point.
-        cos = cos[(cos - joint).abs() > 1e-6]
+    # At the fallback's joint psi has two one-sided slopes; skip that point.
+    cos = away_from(torch.linspace(-0.99, 0.99, 199, dtype=torch.float64), joints, 1e-6)
     cos_ref = cos.clone().requires_grad_(True)
     reference(torch.acos(cos_ref)).sum().backward()
     cos.requires_grad_(True)
