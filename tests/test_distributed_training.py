@@ -382,6 +382,8 @@ def test_torchrun_two_processes(image_folder, tmp_path):
 def test_two_nodes_with_c10d_rendezvous(image_folder, tmp_path):
     out = tmp_path / "run"
     endpoint = f"127.0.0.1:{free_port()}"
+    log_paths = [tmp_path / f"node{k}.log" for k in range(2)]
+    logs = [path.open("w") for path in log_paths]
     nodes = [
         subprocess.Popen(
             torchrun(
@@ -400,13 +402,17 @@ def test_two_nodes_with_c10d_rendezvous(image_folder, tmp_path):
             ),
             cwd=tmp_path,
             env=child_env(),
-            stdout=subprocess.PIPE,
+            # To files, not pipes: a node blocked on a full pipe that nobody reads yet would
+            # stall the other in its next collective.
+            stdout=logs[k],
             stderr=subprocess.STDOUT,
-            text=True,
         )  # fmt: skip
-        for _ in range(2)
+        for k in range(2)
     ]
-    outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    for node, log in zip(nodes, logs, strict=True):
+        node.wait(timeout=120)
+        log.close()
+    outputs = [path.read_text() for path in log_paths]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 10))
