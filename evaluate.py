@@ -189,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             run.report_reid(results, json_path=args.json)
         else:
             run.report(results, json_path=args.json, roc_path=args.roc, flat_json=True)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ConfigError, ValueError, OSError) as exc:
+        from recognition.data.workers import error_message
+
+        print(f"error: {error_message(exc)}", file=sys.stderr)
         return 1
     return 0
 

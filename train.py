@@ -38,14 +38,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
 
+    from recognition.data.workers import error_message
     from recognition.distributed import is_collective_failure
     from recognition.training import TrainingError, train
 
     try:
         train(cfg)
-    except (TrainingError, ConfigError, ValueError, FileNotFoundError) as exc:
-        logging.getLogger("recognition").error("%s", exc)
-        print(f"error: {exc}", file=sys.stderr)
+    # OSError: files and folders (a missing or unreadable one, a full disk), named in the
+    # message by the code that raised it.
+    except (TrainingError, ConfigError, ValueError, OSError) as exc:
+        message = error_message(exc)  # a loader worker's error without its traceback
+        logging.getLogger("recognition").error("%s", message)
+        print(f"error: {message}", file=sys.stderr)
         return 1
     except Exception as exc:
         if not is_collective_failure(exc):

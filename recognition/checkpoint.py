@@ -165,7 +165,18 @@ def load_file(path: Path) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated / foreign files
-        raise ValueError(f"checkpoint {path}: cannot be read ({exc})") from exc
+        if "Weights only load failed" in str(exc) and "Unsupported global" in str(exc):
+            # torch's message goes on to advise weights_only=False, which would run whatever
+            # code the file names: not advice to relay about a file of unknown origin.
+            raise ValueError(
+                f"checkpoint {path}: refused, it holds Python objects other than tensors and "
+                "plain containers (a checkpoint of this project is data only; a pickle from "
+                "elsewhere could run code when loaded)"
+            ) from None
+        raise ValueError(
+            f"checkpoint {path}: not a checkpoint file of this project (truncated, or another "
+            "format)"
+        ) from None
 
 
 def rng_state() -> dict[str, Any]:

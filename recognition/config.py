@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -386,7 +387,8 @@ class EvalConfig:
             if target not in labels:
                 raise ConfigError(
                     f"eval.best_metric: {self.best_metric!r} names target {target!r}, but the "
-                    f"targets are {labels or 'none'} (expected <target>/<metric>)"
+                    f"targets are {labels or 'none'} (expected <target>/<metric>"
+                    + ("; without targets, set eval.best_metric=null)" if not labels else ")")
                 )
             parse_metric(metric, "eval.best_metric")
             if self.every_steps is None:
@@ -563,7 +565,18 @@ def load_config(
     raw.setdefault("name", path.stem)
     for item in overrides or []:
         _apply_override(raw, item)
+    _best_metric_follows_targets(raw, overrides or [])
     return config_from_dict(raw)
+
+
+def _best_metric_follows_targets(raw: dict[str, Any], overrides: list[str]) -> None:
+    """`eval.targets=[]` on the command line also drops the config file's `eval.best_metric`
+    (it names one of the targets just removed), unless the command line sets that too."""
+    keys = {item.partition("=")[0].strip() for item in overrides}
+    section = raw.get("eval")
+    if "eval.targets" in keys and "eval.best_metric" not in keys and isinstance(section, dict):
+        if section.get("targets") == [] and section.get("best_metric") is not None:
+            section["best_metric"] = None
 
 
 def config_from_dict(raw: dict[str, Any]) -> ExperimentConfig:
@@ -586,7 +599,14 @@ def save_config(cfg: ExperimentConfig, path: Path) -> None:
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+            "save the config as UTF-8"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if data is None:
@@ -714,14 +734,19 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             # YAML 1.1 reads "1e-3" (no dot) as a string; accept it as the number it means.
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value

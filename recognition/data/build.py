@@ -24,16 +24,29 @@ from recognition.data.market_train import TRAIN_FOLDER, Market1501TrainDataset
 from recognition.data.recordio import RecordIODataset
 from recognition.data.sampler import IdentityBalancedSampler, ResumableSampler
 from recognition.data.source import TrainSource
+from recognition.data.workers import exit_with_parent
 
 log = logging.getLogger(__name__)
 
 
 def resolve_format(data_cfg: DataConfig) -> str:
     """`data.format`, with `auto` resolved by what `data.root` holds."""
+    root = Path(data_cfg.root)
+    if not root.exists():
+        raise FileNotFoundError(f"data.root: {root} does not exist")
+    if not root.is_dir():
+        raise NotADirectoryError(
+            f"data.root: {root} is a file; expected a folder (one sub-folder per identity, "
+            "train.rec with train.idx, or a Market-1501 folder)"
+        )
     if data_cfg.format != "auto":
         return data_cfg.format
-    root = Path(data_cfg.root)
-    if (root / "train.rec").is_file() and (root / "train.idx").is_file():
+    if (root / "train.rec").is_file():
+        if not (root / "train.idx").is_file():
+            raise FileNotFoundError(
+                f"data.root: {root / 'train.rec'} has no train.idx beside it (the RecordIO "
+                "index of record offsets that comes with the pack); copy it there too"
+            )
         return "recordio"
     if (root / TRAIN_FOLDER).is_dir():
         return "market1501"
@@ -112,6 +125,8 @@ def loader_options(data_cfg: DataConfig, device: torch.device) -> dict[str, Any]
         "num_workers": workers,
         # Pinned host memory lets the copy to the GPU run asynchronously (non_blocking).
         "pin_memory": device.type == "cuda" if data_cfg.pin_memory is None else data_cfg.pin_memory,
+        # Workers go when the main process goes, even when it is killed by a signal.
+        "worker_init_fn": exit_with_parent,
     }
     if workers > 0:
         # Persistent workers keep their processes (and the pages of the index they touched)

@@ -100,7 +100,10 @@ class TrainSource(Dataset):
             image = self.decode(index)
         except ValueError as error:
             if self.on_bad_image == "error":
-                raise
+                raise ValueError(
+                    f"{error} (data.on_bad_image=skip trains on with another image of the "
+                    "identity instead)"
+                ) from None
             image = self._substitute(index, label, error)
         tensor = to_input_tensor(image, self.image_size)
         if self.train and torch.rand(()) < 0.5:

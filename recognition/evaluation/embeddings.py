@@ -23,6 +23,7 @@ from tqdm import tqdm
 from recognition.config import image_size_pair
 from recognition.data.pairs import Pairs
 from recognition.data.transforms import center_crop, load_rgb, to_input_tensor
+from recognition.data.workers import exit_with_parent
 from recognition.evaluation.verification import balanced_folds, evaluate_verification
 
 
@@ -148,6 +149,7 @@ def extract_embeddings(
             shuffle=False,
             num_workers=num_workers,
             pin_memory=device.type == "cuda",
+            worker_init_fn=exit_with_parent if num_workers > 0 else None,
         )
 
     was_training = model.training

@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import itertools
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from recognition import checkpoint as ckpt
 from recognition import distributed
 from recognition.config import ExperimentConfig
 from recognition.logging import MetricsWriter, setup_logging
-from recognition.training.build import Run, build
+from recognition.training.build import Run, TrainingError, build
 from recognition.training.determinism import deterministic_mode
 from recognition.training.hooks import Hook, default_hooks
 from recognition.training.resume import resume, resume_path
@@ -50,6 +51,7 @@ def _train(cfg: ExperimentConfig) -> Path:
     dist_info = distributed.init_distributed(
         cfg.train.device, cfg.train.dist_backend, cfg.train.timeout_s
     )
+    check_run_dir(cfg.run_dir)
     setup_logging(cfg.run_dir, dist_info)
     checkpoint = resume_path(cfg, cfg.run_dir)
     # Per-rank seeds: ranks draw different dropout masks. The backbone's initial weights are
@@ -76,6 +78,22 @@ def _train(cfg: ExperimentConfig) -> Path:
     if owns_group:
         distributed.shutdown()
     return cfg.run_dir
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Make the run directory and check it takes files, or stop naming output_dir and why."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TrainingError(f"output_dir: {run_dir} is a file; the run directory must be a folder")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise TrainingError(
+            f"output_dir: cannot write the run directory {run_dir}: "
+            f"{exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}"
+        ) from None
 
 
 def run_loop(run: Run, hooks: list[Hook], step_fn: Callable = train_step) -> None:
