@@ -85,6 +85,19 @@ class Pairs:
 PAIR_FIELDS = {"same": "3 fields 'name n1 n2'", "different": "4 fields 'name1 n1 name2 n2'"}
 
 
+def read_text_lines(path: Path) -> list[str]:
+    """The lines of the UTF-8 text file `path` (a byte-order mark, as some editors write,
+    is dropped); a ValueError naming the file and line when it is not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig").splitlines()
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path}:{line}: not UTF-8 text (byte {data[exc.start]:#04x}); save the file as UTF-8"
+        ) from None
+
+
 def image_path(name: str, number: int, ext: str = "jpg") -> str:
     """The LFW relative path of image ``number`` of identity ``name``."""
     return f"{name}/{name}_{number:04d}.{ext.lstrip('.')}"
@@ -104,9 +117,10 @@ def load_pairs(path: str | os.PathLike, ext: str = "jpg") -> Pairs:
     ext = _check_ext(ext)
     if not path.is_file():
         raise FileNotFoundError(f"pairs file not found: {path}")
-    with open(path, encoding="utf-8") as f:
-        # Keep the file's own line numbers: blank lines are skipped, not renumbered.
-        numbered = [(i + 1, line.split()) for i, line in enumerate(f) if line.strip()]
+    # Keep the file's own line numbers: blank lines are skipped, not renumbered.
+    numbered = [
+        (i + 1, line.split()) for i, line in enumerate(read_text_lines(path)) if line.strip()
+    ]
     if not numbered:
         raise ValueError(
             f"{path}: empty pairs file; expected a header line such as '10<TAB>300' "

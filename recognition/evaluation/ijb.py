@@ -97,13 +97,26 @@ def meta_files(root: str | os.PathLike, name: str) -> dict[str, Path]:
     }
 
 
+def _numbered_lines(f, path: Path):
+    """(number, line) of each line of the text file `f`; a ValueError naming `path` and the
+    line where the bytes stop being UTF-8."""
+    number = 0
+    try:
+        for number, line in enumerate(f, start=1):  # noqa: B007 (read after the loop)
+            yield number, line
+    except UnicodeDecodeError:
+        raise ValueError(
+            f"{path}:{number + 1}: not UTF-8 text; save the meta file as UTF-8"
+        ) from None
+
+
 def _rows(path: Path, num_fields: int, what: str):
     """(line number, fields) of each non-blank line of ``path``, each with ``num_fields``."""
     if not path.is_file():
         raise FileNotFoundError(f"IJB meta file not found: {path}")
     empty = True
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with open(path, encoding="utf-8-sig") as f:
+        for number, line in _numbered_lines(f, path):
             fields = line.split()
             if not fields:
                 continue
