@@ -233,6 +233,12 @@ def _resolve_classes(root: Path, class_names: Sequence[str] | None) -> list[str]
             )
     if not classes:
         raise ValueError(f"{root}: no identity folders (expected {root}/<identity>/<image>)")
+    broken = [name for name in classes if "\n" in name or "\r" in name]
+    if broken:
+        raise ValueError(
+            f"{root}: identity folder {broken[0]!r} has a line break in its name "
+            f"({len(broken)} such folder(s)); rename it: classes.txt lists one name per line"
+        )
     return classes
 
 

@@ -269,6 +269,13 @@ def load_embeddings(path: str | os.PathLike) -> tuple[np.ndarray, list[str]]:
             f"{path}: 'paths' must be {embeddings.shape[0]} strings (one per embedding), got "
             f"shape {paths.shape} dtype {paths.dtype}"
         )
+    bad = ~np.isfinite(embeddings).all(axis=1)
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"{path}: {int(bad.sum())} embedding(s) hold NaN or inf, the first row {first} "
+            f"({str(paths[first])!r})"
+        )
     return embeddings.astype(np.float32, copy=False), [str(p) for p in paths]
 
 
