@@ -1,0 +1,242 @@
+"""Faults a user meets, each with one line that names the file, line or key, no traceback,
+a non-zero exit and nothing already written lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_cli import make_folder, tiny_args
+
+import evaluate
+import train
+from recognition.config import ConfigError, load_config
+from recognition.data.pairs import load_pairs
+from recognition.data.workers import error_message
+from recognition.evaluation.embeddings import PathDataset, extract_embeddings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def one_error_line(err: str) -> str:
+    """The `error:` line of stderr; fails on a traceback or on more than one such line."""
+    assert "Traceback" not in err and "Caught " not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith(("error:", "config error:"))]
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]
+
+
+# ---- configs that say what they mean -------------------------------------------------------
+
+
+def test_clearing_the_targets_clears_the_best_metric_of_the_file():
+    cfg = load_config("ms1m_arcface", ["eval.targets=[]"])
+    assert cfg.eval.targets == [] and cfg.eval.best_metric is None
+    assert load_config("ms1m_arcface").eval.best_metric == "cfp_fp/accuracy"
+    # Set on the command line too: kept, and refused with the override that fixes it.
+    with pytest.raises(ConfigError, match="without targets, set eval.best_metric=null"):
+        load_config("ms1m_arcface", ["eval.targets=[]", "eval.best_metric=lfw/accuracy"])
+
+
+@pytest.mark.parametrize("value", [".nan", "nan", ".inf", "-.inf", "1e999"])
+def test_non_finite_numbers_are_named_by_their_own_key(value, capsys):
+    assert train.main([f"optim.lr={value}"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "optim.lr: must be a finite number" in line
+
+
+def test_config_that_is_not_utf8_names_the_file(tmp_path, capsys):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("train:\n  epochs: 1  # caf\xe9\n".encode("latin-1"))
+    assert train.main(["--config", str(path)]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert str(path) in line and "not UTF-8" in line
+
+
+# ---- files and folders -----------------------------------------------------------------------
+
+
+def test_output_dir_that_is_a_file_is_named_and_kept(tmp_path, capsys):
+    data = make_folder(tmp_path / "data")
+    target = tmp_path / "taken"
+    target.write_text("someone's notes\n")
+    assert train.main(tiny_args(data, target)) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert "output_dir" in line and str(target) in line
+    assert target.read_text() == "someone's notes\n"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_output_dir_that_cannot_be_written_names_output_dir(tmp_path, capsys):
+    data = make_folder(tmp_path / "data")
+    assert train.main(tiny_args(data, Path("/proc/no-such-run"))) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert "output_dir: cannot write the run directory /proc/no-such-run" in line
+
+
+def test_data_root_that_is_a_file(tmp_path, capsys):
+    data = tmp_path / "faces.zip"
+    data.write_bytes(b"PK\x03\x04")
+    assert train.main(tiny_args(data, tmp_path / "run")) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert f"data.root: {data} is a file" in line
+
+
+def test_recordio_without_its_idx_names_the_idx(tmp_path, capsys):
+    data = tmp_path / "pack"
+    data.mkdir()
+    (data / "train.rec").write_bytes(b"\0" * 64)
+    assert train.main(tiny_args(data, tmp_path / "run")) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert str(data / "train.rec") in line and "no train.idx" in line
+
+
+def test_identity_folder_with_a_line_break_is_refused_by_name(tmp_path, capsys):
+    data = make_folder(tmp_path / "data")
+    (data / "p1").rename(data / "p\n1")
+    assert train.main(tiny_args(data, tmp_path / "run")) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert "'p\\n1' has a line break" in line
+    assert not (tmp_path / "run" / "classes.txt").exists()
+
+
+# ---- a corrupt image under loader workers ----------------------------------------------------
+
+
+def test_corrupt_image_in_a_worker_is_one_line(tmp_path, capsys):
+    data = make_folder(tmp_path / "data")
+    bad = data / "p2" / "1.jpg"
+    bad.write_bytes(b"not a jpeg")
+    assert train.main([*tiny_args(data, tmp_path / "run"), "data.num_workers=2"]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: {bad}: cannot decode image")
+    assert "data.on_bad_image=skip" in line
+
+
+def test_corrupt_image_under_evaluate_workers_is_its_own_message(tmp_path):
+    # evaluate.py prints error_message(exc) of what extraction raises (as train.py does).
+    images = make_folder(tmp_path / "images", num_ids=2, num_images=2)
+    bad = images / "p0" / "1.jpg"
+    bad.write_bytes(b"garbage")
+    paths = [f"p{c}/{n}.jpg" for c in range(2) for n in range(2)]
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 4))
+    with pytest.raises(ValueError) as raised:
+        extract_embeddings(
+            model, PathDataset(paths, size=32, root=images), num_workers=2, progress=False
+        )
+    assert "Original Traceback" in str(raised.value)  # what torch re-raises
+    assert error_message(raised.value) == (
+        f"{bad}: cannot decode image (cannot identify image file '{bad}')"
+    )
+
+
+# ---- evaluate.py inputs ----------------------------------------------------------------------
+
+
+def test_checkpoint_that_is_not_one_gets_no_unsafe_advice(tmp_path, capsys):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_text("not a checkpoint\n")
+    hostile = tmp_path / "hostile.pt"
+    torch.save({"state_dict": {}, "hook": print}, hostile)
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_text("1\t1\na\t1\t2\na\t1\tb\t1\n")
+    for path, expected in ((garbage, "not a checkpoint file"), (hostile, "refused")):
+        assert evaluate.main(["--checkpoint", str(path), "--pairs", str(pairs)]) == 1
+        line = one_error_line(capsys.readouterr().err)
+        assert str(path) in line and expected in line
+        assert "weights_only" not in line and "trust" not in line
+
+
+def test_pairs_file_with_a_byte_order_mark_reads_as_without(tmp_path):
+    text = "1\t1\nAda\t1\t2\nAda\t1\tBob\t3\n"
+    plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+    plain.write_text(text, encoding="utf-8")
+    marked.write_text(text, encoding="utf-8-sig")
+    assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+    a, b = load_pairs(plain), load_pairs(marked)
+    assert (a.left, a.right, list(a.issame)) == (b.left, b.right, list(b.issame))
+
+
+def test_latin1_pairs_file_names_file_and_line(tmp_path, capsys):
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_bytes("1\t1\nJos\xe9\t1\t2\nA\t1\tB\t1\n".encode("latin-1"))
+    embeddings = tmp_path / "emb.npz"
+    np.savez(embeddings, embeddings=np.eye(2, dtype=np.float32), paths=np.array(["a", "b"]))
+    assert evaluate.main(["--embeddings", str(embeddings), "--pairs", str(pairs)]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert f"{pairs}:2: not UTF-8 text" in line
+
+
+def test_nan_in_an_embeddings_file_names_the_file_and_row(tmp_path, capsys):
+    vectors = np.ones((3, 4), dtype=np.float32)
+    vectors[1, 2] = np.nan
+    embeddings = tmp_path / "emb.npz"
+    np.savez(embeddings, embeddings=vectors, paths=np.array(["a/a_0001.jpg", "b", "c"]))
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_text("1\t1\na\t1\t1\na\t1\tb\t1\n")
+    assert evaluate.main(["--embeddings", str(embeddings), "--pairs", str(pairs)]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert str(embeddings) in line and "row 1 ('b')" in line
+
+
+# ---- loader workers die with the main process ------------------------------------------------
+
+PARENT = """
+import os, sys, time
+import torch
+from torch.utils.data import DataLoader, Dataset
+from recognition.data.workers import exit_with_parent
+
+class Slow(Dataset):
+    def __len__(self):
+        return 1000
+    def __getitem__(self, i):
+        with open(os.path.join(sys.argv[1], str(os.getpid())), "w"):
+            pass
+        time.sleep(120)  # a long read (a slow file system): torch's watchdog waits for it
+        return i
+
+loader = DataLoader(Slow(), num_workers=2, worker_init_fn=exit_with_parent)
+for _ in loader:
+    pass
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_loader_workers_go_when_the_main_process_is_killed(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    parent = subprocess.Popen([sys.executable, str(script), str(pids_dir)], env=env)
+    deadline = time.monotonic() + 60
+    while len(list(pids_dir.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = [int(p.name) for p in pids_dir.iterdir()]
+    assert len(workers) == 2, "the workers did not start"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 5
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in workers if _alive(pid)]
+        time.sleep(0.05)
+    for pid in alive:  # leave nothing behind when the check fails
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived their killed parent by 5 s"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
