@@ -47,7 +47,7 @@ if str(REPO_ROOT) not in sys.path:
 from benchmarks.train_scaling import run_one  # noqa: E402
 from recognition.config import ExperimentConfig, load_config  # noqa: E402
 from recognition.heads import build_head  # noqa: E402
-from recognition.models import build_backbone  # noqa: E402
+from recognition.models import backbone_from_config  # noqa: E402
 from recognition.optim import build_optimizer, param_groups  # noqa: E402
 from recognition.precision import Precision  # noqa: E402
 from recognition.training import train_step  # noqa: E402
@@ -76,13 +76,8 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, repeats: int = 10) -
 def model_parts(cfg: ExperimentConfig, device: torch.device, num_classes: int):
     """Backbone (maybe compiled), head, optimizer and Precision as `training.build` makes them
     on one process."""
-    backbone = build_backbone(
-        cfg.model.backbone,
-        embedding_size=cfg.model.embedding_size,
-        width=cfg.model.width,
-        dropout=cfg.model.dropout,
-        image_size=cfg.data.image_hw,
-    ).to(device, memory_format=torch.channels_last)
+    backbone = backbone_from_config(cfg.model, cfg.data.image_hw)
+    backbone = backbone.to(device, memory_format=torch.channels_last)
     head = build_head(cfg.head, num_classes, cfg.model.embedding_size, seed=0, device=device)
     precision = Precision(cfg.precision.level, cfg.precision.dtype, device)
     precision.prepare(backbone, head)

@@ -11,6 +11,7 @@ from functools import partial
 
 from torch import nn
 
+from recognition.config import ModelConfig
 from recognition.models.iresnet import (
     IRESNET_LAYERS,
     IResNet,
@@ -41,11 +42,23 @@ def build_backbone(name: str, **kwargs: object) -> nn.Module:
     return BACKBONES[name](**kwargs)
 
 
+def backbone_from_config(cfg: ModelConfig, image_size: tuple[int, int]) -> nn.Module:
+    """The backbone `model.*` describes, for inputs of `image_size` (H, W)."""
+    return build_backbone(
+        cfg.backbone,
+        embedding_size=cfg.embedding_size,
+        width=cfg.width,
+        dropout=cfg.dropout,
+        image_size=image_size,
+    )
+
+
 __all__ = [
     "BACKBONES",
     "IRESNET_LAYERS",
     "IResNet",
     "ReIDResNet50",
+    "backbone_from_config",
     "build_backbone",
     "iresnet",
     "iresnet18",

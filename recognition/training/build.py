@@ -28,7 +28,7 @@ from recognition.data.synthetic import ensure_synthetic_dataset
 from recognition.distributed import DistInfo
 from recognition.evaluation.run import check_training_targets
 from recognition.heads import ShardedMarginSoftmax, build_head
-from recognition.models import build_backbone
+from recognition.models import backbone_from_config
 from recognition.optim import OptimizerState, build_optimizer, build_scheduler, param_groups
 from recognition.precision import Precision
 from recognition.training.state import Progress, RngState
@@ -233,13 +233,7 @@ def _build_model(
     memory_format: torch.memory_format,
 ) -> tuple[nn.Module, ShardedMarginSoftmax]:
     device = dist_info.device
-    backbone = build_backbone(
-        cfg.model.backbone,
-        embedding_size=cfg.model.embedding_size,
-        width=cfg.model.width,
-        dropout=cfg.model.dropout,
-        image_size=cfg.data.image_hw,
-    )
+    backbone = backbone_from_config(cfg.model, cfg.data.image_hw)
     if cfg.model.sync_bn and dist_info.is_distributed:
         if device.type != "cuda":
             raise TrainingError(
