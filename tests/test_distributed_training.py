@@ -103,8 +103,8 @@ class NoBatchStatistics(nn.Module):
         return self.features(x)
 
 
-def build_tiny_backbone(name: str, **kwargs: object) -> nn.Module:
-    return NoBatchStatistics(**kwargs)
+def build_tiny_backbone(model_cfg, image_size) -> nn.Module:
+    return NoBatchStatistics(model_cfg.embedding_size)
 
 
 def run(overrides: list[str]) -> Path:
@@ -191,7 +191,7 @@ def _rank_main(
         WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
-    training_build.build_backbone = build_tiny_backbone
+    training_build.backbone_from_config = build_tiny_backbone
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     for overrides in jobs:
         if "model.sync_bn=true" in overrides:
@@ -234,7 +234,7 @@ def spawn(world_size: int, jobs: list[list[str]], out: Path, state_check: bool =
 def test_ranks_match_one_process_and_resume_on_other_world_sizes(
     image_folder, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(training_build, "build_backbone", build_tiny_backbone)
+    monkeypatch.setattr(training_build, "backbone_from_config", build_tiny_backbone)
     ref = run(tiny_overrides(image_folder, tmp_path / "w1", 1))
 
     w2 = tmp_path / "w2"

@@ -100,10 +100,7 @@ class TrainSource(Dataset):
             image = self.decode(index)
         except ValueError as error:
             if self.on_bad_image == "error":
-                raise ValueError(
-                    f"{error} (data.on_bad_image=skip trains on with another image of the "
-                    "identity instead)"
-                ) from None
+                raise _with_skip_hint(error) from None
             image = self._substitute(index, label, error)
         tensor = to_input_tensor(image, self.image_size)
         if self.train and torch.rand(()) < 0.5:
@@ -182,3 +179,12 @@ class TrainSource(Dataset):
         for name in self.iter_class_names():
             h.update(name.encode("utf-8", "surrogateescape") + b"\n")
         return h.hexdigest()
+
+
+def _with_skip_hint(error: ValueError) -> ValueError:
+    """`error` (of its own type) with the policy that would have trained on in its message."""
+    message = f"{error} (data.on_bad_image=skip trains on with another image of the identity)"
+    try:
+        return type(error)(message)
+    except TypeError:  # a type with another constructor: keep it as it is
+        return error

@@ -51,6 +51,7 @@ def _train(cfg: ExperimentConfig) -> Path:
     dist_info = distributed.init_distributed(
         cfg.train.device, cfg.train.dist_backend, cfg.train.timeout_s
     )
+    setup_logging(None, dist_info)  # the console alone until the run directory is usable
     check_run_dir(cfg.run_dir)
     setup_logging(cfg.run_dir, dist_info)
     checkpoint = resume_path(cfg, cfg.run_dir)
