@@ -125,12 +125,38 @@ class ModelConfig:
     dropout: float = 0.0
     sync_bn: bool = False
     """With several processes, turn every BatchNorm into a SyncBatchNorm: batch statistics
-    over the global batch instead of each rank's. Needs GPUs (torch's SyncBatchNorm does not
-    run on CPU)."""
+    over the global batch instead of each rank's (with pipeline stages: over the
+    data-parallel ranks of a stage, per micro-batch). Needs GPUs (torch's SyncBatchNorm
+    does not run on CPU)."""
+    pipeline_stages: int = 1
+    """Cut the backbone into this many stages, one per rank, run as a pipeline over
+    micro-batches (torch.distributed.pipelining); the world size must be a multiple of it
+    (world / stages data-parallel replicas). 1: no pipeline."""
+    micro_batch_size: int | None = None
+    """Samples per pipeline micro-batch; must divide train.batch_size. null: the batch in
+    2 x pipeline_stages micro-batches."""
+    pipeline_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    """gpipe: every micro-batch's forward, then every backward (activations of all
+    micro-batches held); 1f1b: one forward, one backward in turn after a warm-up
+    (activations of at most pipeline_stages micro-batches; needs as many micro-batches)."""
+    pipeline_split: list[str] | None = None
+    """The units where stages 2..P begin (P - 1 names such as layer3.0; the units are
+    "stem", each block "layerI.J" and "embedding"); null: cut where the forward FLOPs of
+    the stages are closest to equal."""
 
     def __post_init__(self) -> None:
         if self.embedding_size < 1:
             raise ConfigError("model.embedding_size: must be at least 1")
+        if self.pipeline_stages < 1:
+            raise ConfigError("model.pipeline_stages: must be at least 1")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ConfigError("model.micro_batch_size: must be at least 1 (or null)")
+        if self.pipeline_split is not None and len(self.pipeline_split) != self.pipeline_stages - 1:
+            raise ConfigError(
+                f"model.pipeline_split: {len(self.pipeline_split)} names for "
+                f"{self.pipeline_stages} stages (model.pipeline_stages); give one per stage "
+                "after the first, or null"
+            )
         if not 0.0 < self.width <= 4.0:
             raise ConfigError(f"model.width: {self.width} is outside (0, 4]")
         if not 0.0 <= self.dropout < 1.0:
@@ -491,6 +517,18 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         if self.head.fused_update:
             check_fused_update(self)
+        if self.model.pipeline_stages > 1:
+            check_pipeline(self)
+
+    @property
+    def micro_batches(self) -> int:
+        """Pipeline micro-batches per batch (1 without a pipeline)."""
+        model = self.model
+        if model.pipeline_stages == 1:
+            return 1
+        if model.micro_batch_size is None:
+            return 2 * model.pipeline_stages
+        return self.train.batch_size // model.micro_batch_size
 
     @property
     def eval_image_hw(self) -> tuple[int, int]:
@@ -534,6 +572,46 @@ def check_fused_update(cfg: ExperimentConfig) -> None:
         )
     if conflicts:
         raise ConfigError("head.fused_update=true cannot be combined with " + "; ".join(conflicts))
+
+
+def check_pipeline(cfg: ExperimentConfig) -> None:
+    """Refuse what a pipelined backbone (model.pipeline_stages > 1) cannot honour."""
+    model, stages, batch = cfg.model, cfg.model.pipeline_stages, cfg.train.batch_size
+    if model.micro_batch_size is None:
+        if batch % (2 * stages):
+            raise ConfigError(
+                f"model.micro_batch_size: null splits train.batch_size={batch} into "
+                f"{2 * stages} micro-batches (2 x model.pipeline_stages), which does not "
+                "divide it; set model.micro_batch_size to a divisor of train.batch_size"
+            )
+    elif batch % model.micro_batch_size:
+        raise ConfigError(
+            f"model.micro_batch_size={model.micro_batch_size} does not divide "
+            f"train.batch_size={batch}"
+        )
+    if model.pipeline_schedule == "1f1b" and cfg.micro_batches < stages:
+        raise ConfigError(
+            f"model.pipeline_schedule=1f1b needs at least model.pipeline_stages={stages} "
+            f"micro-batches, train.batch_size={batch} / model.micro_batch_size="
+            f"{model.micro_batch_size} gives {cfg.micro_batches} (use gpipe, or smaller "
+            "micro-batches)"
+        )
+    conflicts = []
+    if cfg.train.accumulate_steps != 1:
+        conflicts.append(
+            f"train.accumulate_steps={cfg.train.accumulate_steps} (the pipeline's micro-batches "
+            "already accumulate gradients: raise train.batch_size instead)"
+        )
+    if cfg.train.compile:
+        conflicts.append("train.compile=true (the stages run eager)")
+    if cfg.head.fused_update:
+        conflicts.append(
+            "head.fused_update=true (every micro-batch's backward would step the head)"
+        )
+    if conflicts:
+        raise ConfigError(
+            f"model.pipeline_stages={stages} cannot be combined with " + "; ".join(conflicts)
+        )
 
 
 # --------------------------------------------------------------------------- loading

@@ -20,19 +20,34 @@ def param_groups(modules: Iterable[nn.Module], weight_decay: float) -> list[dict
     ndim <= 1) only fights the normalisation and hurts accuracy, so those go undecayed.
     The margin head's class matrix (2-D) is decayed like any weight.
     """
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
+    named = [(str(i), module) for i, module in enumerate(modules)]
+    decay, no_decay = _split_decay(named)
+    groups = [{"params": [p for _, p in decay], "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": [p for _, p in no_decay], "weight_decay": 0.0})
+    return groups
+
+
+def param_names(named_modules: Iterable[tuple[str, nn.Module]]) -> list[str]:
+    """ "<prefix>.<parameter name>" of every parameter `param_groups` would give the optimizer,
+    in the optimizer's order, for modules given with a prefix each ("backbone", "head")."""
+    decay, no_decay = _split_decay(list(named_modules))
+    return [name for name, _ in decay + no_decay]
+
+
+def _split_decay(
+    named_modules: list[tuple[str, nn.Module]],
+) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    decay: list[tuple[str, nn.Parameter]] = []
+    no_decay: list[tuple[str, nn.Parameter]] = []
     seen: set[int] = set()
-    for module in modules:
-        for param in module.parameters():
+    for prefix, module in named_modules:
+        for name, param in module.named_parameters():
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
-            (no_decay if param.ndim <= 1 else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
+            (no_decay if param.ndim <= 1 else decay).append((f"{prefix}.{name}", param))
+    return decay, no_decay
 
 
 def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -51,33 +66,70 @@ class OptimizerState:
     the state tensors of a row-sharded parameter (the head's momentum) marked as its rows,
     and the lazily created state made first (`init_state`), so that a checkpoint's state
     can be loaded in place into an optimizer that has not stepped yet.
+
+    `param_ids` gives, for each parameter the optimizer holds (in its order), its index in
+    the optimizer of the whole model: a pipeline stage's optimizer holds a part of the
+    parameters, and stores their state under those indices, so that a checkpoint of one
+    layout of stages loads into another. None: the optimizer holds the whole model.
+    Loading takes each group's hyperparameters from the checkpoint and its parameters from
+    the live optimizer.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, param_ids: list[int] | None = None):
         self.optimizer = optimizer
+        self.param_ids = param_ids
+
+    def _ids(self, params: list[torch.Tensor]) -> list[int]:
+        if self.param_ids is None:
+            return list(range(len(params)))
+        if len(self.param_ids) != len(params):
+            raise ValueError(
+                f"OptimizerState: {len(self.param_ids)} parameter ids for an optimizer of "
+                f"{len(params)} parameters"
+            )
+        return self.param_ids
 
     def state_dict(self) -> dict[str, Any]:
         init_state(self.optimizer)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        ids = self._ids(params)
         packed = self.optimizer.state_dict()
         state = {
-            index: {
+            ids[index]: {
                 name: mark_like(value, params[index]) if torch.is_tensor(value) else value
                 for name, value in values.items()
             }
             for index, values in packed["state"].items()
         }
-        return {"state": state, "param_groups": packed["param_groups"]}
+        groups = [
+            {**group, "params": [ids[i] for i in group["params"]]}
+            for group in packed["param_groups"]
+        ]
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        packed = {int(index): values for index, values in state.get("state", {}).items()}
-        if any(index >= len(params) for index in packed):
+        local = {global_id: index for index, global_id in enumerate(self._ids(params))}
+        saved = {int(index): values for index, values in state.get("state", {}).items()}
+        unknown = sorted(set(saved) - set(local))
+        if unknown:
             raise ValueError(
-                f"optimizer state for parameter {max(packed)}, the optimizer has "
+                f"optimizer state for parameter {unknown[-1]}, the optimizer has "
                 f"{len(params)}: a different model"
             )
-        self.optimizer.load_state_dict({"state": packed, "param_groups": state["param_groups"]})
+        live_groups = self.optimizer.state_dict()["param_groups"]
+        saved_groups = state["param_groups"]
+        if len(saved_groups) != len(live_groups):
+            raise ValueError(
+                f"optimizer: {len(saved_groups)} parameter groups saved, the optimizer has "
+                f"{len(live_groups)}: a different model"
+            )
+        groups = [
+            {**saved_group, "params": live["params"]}
+            for saved_group, live in zip(saved_groups, live_groups, strict=True)
+        ]
+        packed = {local[global_id]: values for global_id, values in saved.items()}
+        self.optimizer.load_state_dict({"state": packed, "param_groups": groups})
 
 
 @torch.no_grad()

@@ -226,16 +226,18 @@ class Precision:
 
     # ---------------------------------------------------------------- backward and step
 
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """`loss` multiplied by the loss scale when fp16 scaling is on, else `loss` itself:
+        what to backpropagate when something else (a pipeline schedule) calls backward."""
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
     def backward(self, loss: Tensor) -> None:
         """Backpropagate `loss`, multiplied by the loss scale when fp16 scaling is on.
 
         For gradient accumulation call it once per micro-batch with the loss divided by the
         number of micro-batches; gradients add up in the model's `.grad`.
         """
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-        else:
-            loss.backward()
+        self.scale_loss(loss).backward()
 
     def step(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from recognition.config import HeadConfig
 from recognition.heads.margin_softmax import ShardedMarginSoftmax, shard_range
@@ -25,8 +26,10 @@ def build_head(
     *,
     seed: int,
     device: torch.device | str | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> ShardedMarginSoftmax:
-    """This rank's shard of the margin-softmax head as `head.*` says, made on `device`."""
+    """This rank's shard of the margin-softmax head as `head.*` says, made on `device`, its
+    classes split over the ranks of `group` (all of them when None)."""
     margin = build_margin(cfg.margin, scale=cfg.scale, m=cfg.m, m1=cfg.m1, m2=cfg.m2, m3=cfg.m3)
     return ShardedMarginSoftmax(
         num_classes,
@@ -34,6 +37,7 @@ def build_head(
         margin,
         sample_rate=cfg.sample_rate,
         chunk_size=cfg.chunk_size,
+        group=group,
         seed=seed,
         device=device,
         kernel=cfg.kernel,

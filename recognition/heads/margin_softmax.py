@@ -66,11 +66,13 @@ collectives and the loss are float32, or float64 when the embeddings or the weig
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
 import math
 import os
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -633,6 +635,7 @@ class ShardedMarginSoftmax(nn.Module):
         # list, since a Parameter set as an attribute would become one of the head's own.
         self._optimizer_param: list[Tensor] = [self.weight]
         self._fused: _FusedSGD | None = None
+        self._accumulating = False  # inside accumulating(): every forward is the same step's
         self._logged: set[str] = set()  # the one-line notices already logged
 
     # ---------------------------------------------------------------- the shard
@@ -832,11 +835,27 @@ class ShardedMarginSoftmax(nn.Module):
         # to None); within one, every micro-batch's rows are updated at the step.
         sampled = torch.zeros(self.num_local, dtype=torch.bool, device=row_index.device)
         sampled[row_index] = True
-        if self._rows_to_update is None or self.weight.grad is None:
+        if self._rows_to_update is None or (self.weight.grad is None and not self._accumulating):
             self._rows_to_update = sampled
         else:
             self._rows_to_update |= sampled
         return row_index
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Forwards inside belong to one optimizer step, however their backwards interleave.
+
+        Partial FC updates the rows sampled by every forward since the optimizer's last step.
+        Outside this context a forward finding the rows' gradient dropped (zero_grad) starts
+        a new step; a pipeline schedule runs several forwards before any backward (GPipe),
+        so it runs them inside this context, which starts the step on entry.
+        """
+        self._rows_to_update = None
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
 
     def attach_optimizer(
         self, optimizer: torch.optim.Optimizer, param: nn.Parameter | None = None

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from recognition.config import image_size_pair
+from recognition.models.units import UnitChain
 
 # Every BatchNorm of the published models uses PyTorch's default epsilon.
 BN_EPS = 1e-5
@@ -78,11 +79,12 @@ class IBasicBlock(nn.Module):
         return out + identity
 
 
-class IResNet(nn.Module):
+class IResNet(UnitChain):
     """IResNet trunk plus the flatten-fc-BN embedding layer.
 
     Takes images (B, 3, H, W) at `image_size`, normalised, and returns embeddings
-    (B, embedding_size), not L2-normalised (the margin head normalises).
+    (B, embedding_size), not L2-normalised (the margin head normalises). As a `UnitChain`
+    its units are "stem", every block ("layer1.0" ... "layer4.2") and "embedding".
 
     Args:
         layers: number of blocks in each of the four stages, e.g. (3, 4, 14, 3).
@@ -141,6 +143,11 @@ class IResNet(nn.Module):
             stages.append(nn.Sequential(*blocks))
             in_channels = out_channels
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.unit_names = (
+            "stem",
+            *(f"layer{i}.{j}" for i, stage in enumerate(stages, 1) for j in range(len(stage))),
+            "embedding",
+        )
 
         map_height, map_width = sides[0] // 16, sides[1] // 16
         self.bn2 = nn.BatchNorm2d(in_channels, eps=BN_EPS)
@@ -177,17 +184,27 @@ class IResNet(nn.Module):
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return x
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (B, 3, H, W) -> embeddings (B, embedding_size)."""
-        if x.shape[-2:] != self.image_size:
-            height, width = self.image_size
-            raise ValueError(
-                f"IResNet built for {height}x{width} (HxW) images, "
-                f"got input of shape {tuple(x.shape)}"
-            )
-        x = self.bn2(self.forward_features(x))
-        x = self.dropout(torch.flatten(x, 1))  # (B, C * H/16 * W/16)
-        return self.features(self.fc(x))
+    def unit_modules(self, unit: str) -> tuple[str, ...]:
+        if unit == "stem":
+            return ("conv1", "bn1", "prelu")
+        if unit == "embedding":
+            return ("bn2", "dropout", "fc", "features")
+        return (unit,)
+
+    def forward_unit(self, unit: str, x: torch.Tensor) -> torch.Tensor:
+        """One unit: images -> stem map, a block's map -> the next, last map -> embeddings."""
+        if unit == "stem":
+            if x.shape[-2:] != self.image_size:
+                height, width = self.image_size
+                raise ValueError(
+                    f"IResNet built for {height}x{width} (HxW) images, "
+                    f"got input of shape {tuple(x.shape)}"
+                )
+            return self.prelu(self.bn1(self.conv1(x)))
+        if unit == "embedding":
+            x = self.dropout(torch.flatten(self.bn2(x), 1))  # (B, C * H/16 * W/16)
+            return self.features(self.fc(x))
+        return self.get_submodule(unit)(x)
 
 
 def iresnet(

@@ -23,15 +23,17 @@ from torch import nn
 from torchvision.models import resnet50
 
 from recognition.config import image_size_pair
+from recognition.models.units import UnitChain
 
 TRUNK_CHANNELS = 2048
 
 
-class ReIDResNet50(nn.Module):
+class ReIDResNet50(UnitChain):
     """ResNet-50 with last stride 1, global average pooling and a BN neck.
 
     Takes images (B, 3, H, W) of any size (256x128 is usual) and returns embeddings
-    (B, embedding_size), not L2-normalised.
+    (B, embedding_size), not L2-normalised. As a `UnitChain` its units are "stem", every
+    bottleneck ("layer1.0" ... "layer4.2", under `base`) and "embedding" (pool, neck, fc).
 
     Args:
         embedding_size: output dimension; 2048 returns the BN-neck features directly,
@@ -76,6 +78,15 @@ class ReIDResNet50(nn.Module):
         self.fc: nn.Linear | None = None
         if embedding_size != TRUNK_CHANNELS:
             self.fc = nn.Linear(TRUNK_CHANNELS, embedding_size)
+        self.unit_names = (
+            "stem",
+            *(
+                f"layer{i}.{j}"
+                for i in range(1, 5)
+                for j in range(len(getattr(self.base, f"layer{i}")))
+            ),
+            "embedding",
+        )
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, 3, H, W) -> layer4's map (B, 2048, ceil(H / 16), ceil(W / 16))."""
@@ -83,11 +94,23 @@ class ReIDResNet50(nn.Module):
         x = base.maxpool(base.relu(base.bn1(base.conv1(x))))
         return base.layer4(base.layer3(base.layer2(base.layer1(x))))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (B, 3, H, W) -> embeddings (B, embedding_size)."""
-        pooled = self.forward_features(x).mean(dim=(2, 3))  # (B, 2048)
-        x = self.dropout(self.bnneck(pooled))
-        return x if self.fc is None else self.fc(x)
+    def unit_modules(self, unit: str) -> tuple[str, ...]:
+        if unit == "stem":
+            return ("base.conv1", "base.bn1", "base.relu", "base.maxpool")
+        if unit == "embedding":
+            return ("bnneck", "dropout") + (("fc",) if self.fc is not None else ())
+        return (f"base.{unit}",)
+
+    def forward_unit(self, unit: str, x: torch.Tensor) -> torch.Tensor:
+        """One unit: images -> stem map, a bottleneck's map -> the next, map -> embeddings."""
+        if unit == "stem":
+            base = self.base
+            return base.maxpool(base.relu(base.bn1(base.conv1(x))))
+        if unit == "embedding":
+            pooled = x.mean(dim=(2, 3))  # (B, 2048)
+            x = self.dropout(self.bnneck(pooled))
+            return x if self.fc is None else self.fc(x)
+        return self.base.get_submodule(unit)(x)
 
 
 def load_torchvision_weights(model: nn.Module, path: str) -> None:

@@ -9,6 +9,7 @@ and the checkpoints (`Run.checkpoint_parts`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,28 @@ from recognition.distributed import DistInfo
 from recognition.evaluation.run import check_training_targets
 from recognition.heads import ShardedMarginSoftmax, build_head
 from recognition.models import backbone_from_config
-from recognition.optim import OptimizerState, build_optimizer, build_scheduler, param_groups
-from recognition.precision import Precision
+from recognition.optim import (
+    OptimizerState,
+    build_optimizer,
+    build_scheduler,
+    param_groups,
+    param_names,
+)
+from recognition.pipeline import (
+    LabelsOnly,
+    PipelineLayout,
+    PipelineStep,
+    build_stage_backbone,
+    describe_stages,
+    gather_backbone,
+    make_layout,
+    stage_io,
+    unit_costs,
+    wrap_stage,
+)
+from recognition.precision import Precision, StepResult
 from recognition.training.state import Progress, RngState
+from recognition.training.step import train_step
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +72,13 @@ class Run:
     """The run's batch order (start_at before iterating `loader`)."""
     loader: DataLoader
     backbone: nn.Module
-    """The bare backbone (what checkpoints and exports hold)."""
+    """The bare backbone (what checkpoints and exports hold); with a pipeline, this rank's
+    stage of it."""
     model: nn.Module
     """What the step calls: the backbone, wrapped in DDP with several ranks, compiled with
     train.compile."""
-    head: ShardedMarginSoftmax
+    head: ShardedMarginSoftmax | None
+    """This rank's class shard; None on the ranks of a pipeline's earlier stages."""
     precision: Precision
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -64,12 +86,24 @@ class Run:
     steps_per_epoch: int
     last_step: int
     classes_sha256: str
+    num_classes: int
     memory_format: torch.memory_format = torch.preserve_format
     rng: RngState = field(default_factory=RngState)
+    step: Callable[..., StepResult] = train_step
+    """One optimizer step (`train_step`, or a `PipelineStep`)."""
+    layout: PipelineLayout | None = None
+    """The pipeline mesh (model.pipeline_stages > 1), else None."""
+    param_ids: list[int] | None = None
+    """The optimizer's parameters' indices in the whole model's optimizer (a stage's)."""
 
     @property
     def run_dir(self) -> Path:
         return self.cfg.run_dir
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas that each see their own part of the batch (world / pipeline stages)."""
+        return self.layout.dp_size if self.layout is not None else self.dist_info.world_size
 
     @property
     def batches_per_epoch(self) -> int:
@@ -80,22 +114,38 @@ class Run:
     def end_of_epoch(self) -> bool:
         return self.progress.batches_done >= self.batches_per_epoch
 
+    def whole_backbone(self) -> nn.Module | None:
+        """The whole backbone on rank 0 (a float copy put together from the stages when
+        pipelined; collective then), for evaluation and export; None on other ranks."""
+        if self.layout is None:
+            return self.backbone if self.dist_info.is_main else None
+        return gather_backbone(
+            self.precision.fp32_state_dict(self.backbone),
+            self.layout,
+            self.cfg.model,
+            self.cfg.data.image_hw,
+            self.dist_info.device,
+        )
+
     def checkpoint_parts(self) -> dict[str, Any]:
         """The parts a checkpoint saves (every rank passes its own; see recognition.checkpoint)."""
-        return {
+        parts: dict[str, Any] = {
             "backbone": self.backbone,
             "head": self.head,
             "precision": self.precision,
-            "optimizer": OptimizerState(self.optimizer),
+            "optimizer": OptimizerState(self.optimizer, self.param_ids),
             "scheduler": self.scheduler,
             "progress": self.progress,
             "meta": {
                 "config": config_to_dict(self.cfg),
-                "num_classes": self.head.num_classes,
+                "num_classes": self.num_classes,
                 "classes_sha256": self.classes_sha256,
             },
             f"rng/{self.dist_info.rank}": self.rng,
         }
+        if self.head is None:
+            del parts["head"]
+        return parts
 
 
 def global_batch(cfg: ExperimentConfig, world_size: int) -> int:
@@ -109,13 +159,15 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
     Writes config.yaml (and, unless `resuming`, classes.txt: a resumed run's classes are
     checked against its checkpoint first) into the run directory on rank 0.
     """
-    data, sampler = _build_data(cfg, dist_info)
+    layout = make_layout(cfg.model.pipeline_stages, dist_info) if _pipelined(cfg) else None
+    num_replicas = layout.dp_size if layout is not None else dist_info.world_size
+    data, sampler = _build_data(cfg, dist_info, layout)
     steps_per_epoch = len(sampler) // cfg.train.batch_size // cfg.train.accumulate_steps
     if steps_per_epoch < 1:
         raise TrainingError(
             f"train.batch_size: {cfg.train.batch_size} x train.accumulate_steps "
-            f"{cfg.train.accumulate_steps} x {dist_info.world_size} processes is more than "
-            f"the {len(data)} training images of {cfg.data.root}"
+            f"{cfg.train.accumulate_steps} x {num_replicas} data-parallel processes is more "
+            f"than the {len(data)} training images of {cfg.data.root}"
         )
     log.info(
         "%d images of %d identities from %s; %d steps per epoch of %d images",
@@ -123,7 +175,7 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
         data.num_classes,
         cfg.data.root,
         steps_per_epoch,
-        global_batch(cfg, dist_info.world_size),
+        global_batch(cfg, num_replicas),
     )
     if dist_info.is_main:
         save_config(cfg, cfg.run_dir / "config.yaml")
@@ -134,16 +186,8 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
     batches = EpochBatches(
         sampler, cfg.train.batch_size, steps_per_epoch * cfg.train.accumulate_steps
     )
-    loader = DataLoader(
-        AugmentedView(data, flip=cfg.data.flip),
-        batch_sampler=batches,
-        # Its own generator: creating the iterator must not draw from the global RNG, or a
-        # run resumed mid-epoch would see different dropout / sampling draws.
-        generator=torch.Generator().manual_seed(cfg.seed + dist_info.rank),
-        **loader_options(cfg.data, dist_info.device),
-    )
+    loader = _build_loader(cfg, dist_info, data, batches, layout)
     memory_format = torch.channels_last if cfg.data.channels_last else torch.preserve_format
-    backbone, head = _build_model(cfg, dist_info, data.num_classes, memory_format)
     precision = Precision(
         cfg.precision.level,
         cfg.precision.dtype,
@@ -151,34 +195,32 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
         # Ranks see different head gradients: the fp16 overflow check must be global.
         process_group=dist.group.WORLD if dist_info.is_distributed else None,
     )
-    precision.prepare(backbone, head)
-    # The backbone is replicated: DDP broadcasts rank 0's weights now and averages the
-    # gradients in backward. The head is not wrapped: its shard is this rank's alone.
-    model: nn.Module = backbone
-    if dist_info.is_distributed:
-        device = dist_info.device
-        model = DistributedDataParallel(
-            backbone, device_ids=[device.index] if device.type == "cuda" else None
+    if layout is None:
+        backbone, head = _build_model(cfg, dist_info, data.num_classes, memory_format)
+        precision.prepare(backbone, head)
+        model = _wrap_model(cfg, dist_info, backbone)
+        step: Callable[..., StepResult] = train_step
+        param_ids = None
+    else:
+        backbone, head, model, step, param_ids = _build_pipeline(
+            cfg, dist_info, layout, data.num_classes, memory_format, precision
         )
-    if cfg.train.compile:
-        # Compiled over the DDP wrapper, so that DDP's optimizer splits the graph at its
-        # gradient buckets and all-reduces overlap the backward pass.
-        model = torch.compile(model, mode=cfg.train.compile_mode, backend=cfg.train.compile_backend)
-    groups = param_groups([backbone, head], cfg.optim.weight_decay)
+    parts = [backbone] if head is None else [backbone, head]
+    groups = param_groups(parts, cfg.optim.weight_decay)
     optimizer = build_optimizer(precision.param_groups(groups), cfg.optim)
     # Partial FC: the optimizer must only move the class rows sampled for the step (under
     # O2 it steps the fp32 master of the head's weight, not the half weight itself).
-    if cfg.head.fused_update:  # the Triton backward steps the rows; weight.grad stays None
+    if head is not None and cfg.head.fused_update:  # the Triton backward steps the rows
         head.attach_fused_update(optimizer)
-    else:
+    elif head is not None:
         head.attach_optimizer(optimizer, precision.optimizer_param(head.weight))
 
     total_steps = cfg.train.epochs * steps_per_epoch
     warmup_steps = round(cfg.optim.warmup_epochs * steps_per_epoch)
     scheduler = build_scheduler(optimizer, total_steps, warmup_steps, cfg.optim)
     progress = Progress(
-        per_batch=cfg.train.batch_size * dist_info.world_size,
-        global_batch=global_batch(cfg, dist_info.world_size),
+        per_batch=cfg.train.batch_size * num_replicas,
+        global_batch=global_batch(cfg, num_replicas),
         world_size=dist_info.world_size,
     )
     return Run(
@@ -197,11 +239,60 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
         steps_per_epoch=steps_per_epoch,
         last_step=min(total_steps, cfg.train.max_steps or total_steps),
         classes_sha256=data.classes_fingerprint(),
+        num_classes=data.num_classes,
         memory_format=memory_format,
+        step=step,
+        layout=layout,
+        param_ids=param_ids,
     )
 
 
-def _build_data(cfg: ExperimentConfig, dist_info: DistInfo) -> tuple[TrainSource, Sampler]:
+def _pipelined(cfg: ExperimentConfig) -> bool:
+    return cfg.model.pipeline_stages > 1
+
+
+def _build_loader(
+    cfg: ExperimentConfig,
+    dist_info: DistInfo,
+    data: TrainSource,
+    batches: EpochBatches,
+    layout: PipelineLayout | None,
+) -> DataLoader:
+    options = loader_options(cfg.data, dist_info.device)
+    dataset: Any = AugmentedView(data, flip=cfg.data.flip)
+    if layout is not None and not layout.is_first:
+        # Later stages need the labels alone, and those need no worker to decode anything.
+        dataset = LabelsOnly(data.labels)
+        options = {"num_workers": 0}
+    return DataLoader(
+        dataset,
+        batch_sampler=batches,
+        # Its own generator: creating the iterator must not draw from the global RNG, or a
+        # run resumed mid-epoch would see different dropout / sampling draws.
+        generator=torch.Generator().manual_seed(cfg.seed + dist_info.rank),
+        **options,
+    )
+
+
+def _wrap_model(cfg: ExperimentConfig, dist_info: DistInfo, backbone: nn.Module) -> nn.Module:
+    # The backbone is replicated: DDP broadcasts rank 0's weights now and averages the
+    # gradients in backward. The head is not wrapped: its shard is this rank's alone.
+    model: nn.Module = backbone
+    if dist_info.is_distributed:
+        device = dist_info.device
+        model = DistributedDataParallel(
+            backbone, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    if cfg.train.compile:
+        # Compiled over the DDP wrapper, so that DDP's optimizer splits the graph at its
+        # gradient buckets and all-reduces overlap the backward pass.
+        model = torch.compile(model, mode=cfg.train.compile_mode, backend=cfg.train.compile_backend)
+    return model
+
+
+def _build_data(
+    cfg: ExperimentConfig, dist_info: DistInfo, layout: PipelineLayout | None
+) -> tuple[TrainSource, Sampler]:
     if cfg.data.synthetic.enabled:
         if dist_info.is_main:
             ensure_synthetic_dataset(Path(cfg.data.synthetic.root), cfg.data.synthetic.spec())
@@ -214,13 +305,14 @@ def _build_data(cfg: ExperimentConfig, dist_info: DistInfo) -> tuple[TrainSource
     # data.sampler=random is DistributedSampler's order: one permutation per epoch (the same
     # on every rank), rank r taking every W-th sample, the tail that does not divide by W
     # dropped; pk is P identities x K images per batch, whole groups per rank. Incomplete
-    # last batches are dropped too, so every rank runs the same number of steps.
+    # last batches are dropped too, so every rank runs the same number of steps. With a
+    # pipeline the replicas split the data: a replica's stages all see its batches.
     sampler = build_sampler(
         cfg.data,
         data.labels,
         batch_size=cfg.train.batch_size,
-        num_replicas=dist_info.world_size,
-        rank=dist_info.rank,
+        num_replicas=layout.dp_size if layout is not None else dist_info.world_size,
+        rank=layout.dp_rank if layout is not None else dist_info.rank,
         seed=cfg.seed,
     )
     return data, sampler
@@ -254,3 +346,81 @@ def _build_model(
         head.class_start + head.num_local - 1,
     )
     return backbone, head
+
+
+def _build_pipeline(
+    cfg: ExperimentConfig,
+    dist_info: DistInfo,
+    layout: PipelineLayout,
+    num_classes: int,
+    memory_format: torch.memory_format,
+    precision: Precision,
+) -> tuple[nn.Module, ShardedMarginSoftmax | None, nn.Module, PipelineStep, list[int]]:
+    """This rank's stage, the head on the last stage's ranks (sharded over their
+    data-parallel group), the stage as the schedule runs it, the step, and the optimizer's
+    parameter indices in the whole model's optimizer."""
+    device, image_hw = dist_info.device, cfg.data.image_hw
+    stage, ranges = build_stage_backbone(cfg.model, image_hw, layout, cfg.seed)
+    if dist_info.is_main:
+        units, costs = unit_costs(cfg.model, image_hw)
+        log.info(
+            "pipeline: %d stages x %d data-parallel replicas, %d micro-batches of %d (%s); %s",
+            layout.num_stages,
+            layout.dp_size,
+            cfg.micro_batches,
+            cfg.train.batch_size // cfg.micro_batches,
+            cfg.model.pipeline_schedule,
+            describe_stages(units, costs, ranges),
+        )
+    if cfg.model.sync_bn and layout.dp_size > 1:
+        if device.type != "cuda":
+            raise TrainingError(
+                "model.sync_bn: torch's SyncBatchNorm runs on GPUs only; train on CPU without "
+                "it (model.sync_bn=false)"
+            )
+        stage = nn.SyncBatchNorm.convert_sync_batchnorm(stage, process_group=layout.dp_group)
+    stage = stage.to(device, memory_format=memory_format)
+    head = None
+    if layout.is_last:
+        head = build_head(
+            cfg.head,
+            num_classes,
+            cfg.model.embedding_size,
+            seed=cfg.seed,
+            device=device,
+            group=layout.dp_group,
+        )
+    precision.prepare(*([stage] if head is None else [stage, head]))
+    micro = cfg.train.batch_size // cfg.micro_batches
+    images = precision.cast_inputs(torch.empty(micro, 3, *image_hw, device="meta"))
+    input_meta, output_meta = stage_io(stage, layout, images, precision, device)
+    model = wrap_stage(stage, layout, device)
+    step = PipelineStep(
+        model,
+        layout,
+        head,
+        num_micro=cfg.micro_batches,
+        schedule=cfg.model.pipeline_schedule,
+        input_meta=input_meta,
+        output_meta=output_meta,
+        precision=precision,
+        device=device,
+    )
+    # The whole model's optimizer order, which a checkpoint's optimizer state is keyed by.
+    with torch.device("meta"):
+        whole = backbone_from_config(cfg.model, image_hw)
+    order = {
+        name: index
+        for index, name in enumerate(param_names([("backbone", whole), ("head", _HeadShape())]))
+    }
+    mine = [("backbone", stage)] + ([("head", head)] if head is not None else [])
+    param_ids = [order[name] for name in param_names(mine)]
+    return stage, head, model, step, param_ids
+
+
+class _HeadShape(nn.Module):
+    """Stands for the head in the whole model's parameter order: one 2-D weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, 1, device="meta"))

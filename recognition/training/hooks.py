@@ -43,6 +43,9 @@ class Hook:
     def before_epoch(self, run: Run) -> None:
         pass
 
+    def before_step(self, run: Run) -> None:
+        pass
+
     def after_step(self, run: Run, result: StepResult) -> None:
         """After every step, finite or not (`result.finite`); `run.progress.step` counts
         only applied steps."""
@@ -167,7 +170,8 @@ class LogWindow(Hook):
             self.accuracies.append(result.accuracy)
         if math.isfinite(result.grad_norm):
             self.grad_norms.append(result.grad_norm)
-        self.samples += run.cfg.train.batch_size * run.cfg.train.accumulate_steps
+        # This rank's share of the step's samples (a pipeline's stages share theirs).
+        self.samples += run.progress.global_batch / run.dist_info.world_size
         self.skipped += int(not result.stepped)
         self.scale = result.scale
         step = run.progress.step
@@ -322,20 +326,23 @@ class PeriodicEvaluation(Hook):
     def after_step(self, run: Run, result: StepResult) -> None:
         if result.finite and self.due(run.progress.step):
             # Collective: rank 0 evaluates (eval.targets), the others wait for it.
-            self.run(run.progress.step, run.progress.epoch, run.backbone)
+            self.run(run.progress.step, run.progress.epoch, run.whole_backbone())
 
     def due(self, step: int) -> bool:
         every = self.cfg.eval.every_steps
         return bool(every and self.cfg.eval.targets and step % every == 0)
 
-    def run(self, step: int, epoch: int, backbone: nn.Module) -> dict[str, dict] | None:
+    def run(self, step: int, epoch: int, backbone: nn.Module | None) -> dict[str, dict] | None:
         """Evaluate (rank 0) and wait for it (every rank). Returns rank 0's results, else None.
+
+        `backbone` is the whole backbone on rank 0 (the others may pass None).
 
         An error on rank 0 (a missing image) is raised on every rank, not left to the timeout.
         """
         results, error = None, None
         if self.dist_info.is_main:
             try:
+                assert backbone is not None
                 results = self._evaluate(step, epoch, backbone)
             except (ValueError, FileNotFoundError) as exc:
                 error = f"evaluation at step {step} failed: {exc}"

@@ -31,7 +31,6 @@ from recognition.training.determinism import deterministic_mode
 from recognition.training.hooks import Hook, default_hooks
 from recognition.training.resume import resume, resume_path
 from recognition.training.state import seed_everything
-from recognition.training.step import train_step
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +96,15 @@ def check_run_dir(run_dir: Path) -> None:
         ) from None
 
 
-def run_loop(run: Run, hooks: list[Hook], step_fn: Callable = train_step) -> None:
+def run_loop(run: Run, hooks: list[Hook], step_fn: Callable | None = None) -> None:
     """Step until `run.last_step`, calling `hooks` around every step and epoch.
 
-    `step_fn` takes (model, head, micro-batches, optimizer, precision, max grad norm) and
-    returns a `StepResult`, as `train_step` does; another step (compiled, pipelined) can
-    take its place. A finite step advances the scheduler and `run.progress.step`; a
-    non-finite one changes nothing (the guard hook counts them).
+    `step_fn` (default `run.step`: `train_step`, or the pipeline's step) takes (model,
+    head, micro-batches, optimizer, precision, max grad norm) and returns a `StepResult`;
+    another step can take its place. A finite step advances the scheduler and
+    `run.progress.step`; a non-finite one changes nothing (the guard hook counts them).
     """
+    step_fn = run.step if step_fn is None else step_fn
     cfg, progress = run.cfg, run.progress
     device, memory_format = run.dist_info.device, run.memory_format
     for hook in hooks:
@@ -116,6 +116,8 @@ def run_loop(run: Run, hooks: list[Hook], step_fn: Callable = train_step) -> Non
         for hook in hooks:
             hook.before_epoch(run)
         while progress.step < run.last_step and not run.end_of_epoch:
+            for hook in hooks:
+                hook.before_step(run)
             micro_batches = [
                 (
                     x.to(device, non_blocking=True, memory_format=memory_format),
@@ -149,18 +151,20 @@ def run_loop(run: Run, hooks: list[Hook], step_fn: Callable = train_step) -> Non
 def _finish(run: Run) -> None:
     """Rank 0 exports the backbone and evaluates `eval.targets` once every rank is done."""
     cfg = run.cfg
+    backbone = run.whole_backbone()  # collective with a pipeline (the stages' parts)
     # The others leave once every rank is done (the last checkpoint is complete), so a long
     # evaluation cannot run into the collective timeout.
     distributed.barrier()
     if not run.dist_info.is_main:
         return
+    assert backbone is not None
     path = cfg.run_dir / "backbone.pt"
-    ckpt.export_backbone(path, run.backbone, dataclasses.asdict(cfg.model), cfg.data.image_size)
+    ckpt.export_backbone(path, backbone, dataclasses.asdict(cfg.model), cfg.data.image_size)
     log.info("wrote %s", path)
     if cfg.eval.at_end and cfg.eval.targets:
         from recognition.evaluation.run import evaluate_config_targets, report
 
-        model = copy.deepcopy(run.backbone).float().eval()
+        model = copy.deepcopy(backbone).float().eval()
         results = evaluate_config_targets(
             cfg, model, run.dist_info.device, progress=cfg.train.progress
         )

@@ -54,7 +54,7 @@ def resume(run: Run, path: Path) -> None:
     same_world = saved["progress"]["world_size"] == dist_info.world_size
     if not same_world:
         del parts[rng_key]
-    if ckpt.checkpoint_version(path) == 1:
+    if ckpt.checkpoint_version(path) == 1 and run.head is not None:
         parts["head"] = _HeadWithoutExtraState(run.head, saved)
     loaded = ckpt.load_checkpoint(path, parts, optional=(rng_key,))
     if rng_key not in loaded:
@@ -79,14 +79,14 @@ def _resume_position(saved: dict[str, int], run: Run, path: Path) -> int:
     same permutation, i.e. with exactly the samples the saved run had not seen yet, as long
     as the global batch is unchanged. Otherwise it rounds down to a whole batch and warns.
     """
-    cfg, world_size = run.cfg, run.dist_info.world_size
+    cfg, world_size = run.cfg, run.data_parallel_size
     per_batch = cfg.train.batch_size * world_size
     samples_done = saved["samples_done"]
     if saved["global_batch"] != global_batch(cfg, world_size) or samples_done % per_batch:
         log.warning(
             "%s was saved with a global batch of %d, this run has %d (train.batch_size x "
-            "train.accumulate_steps x ranks): the learning-rate schedule and the epoch's "
-            "remaining samples will not continue exactly",
+            "train.accumulate_steps x data-parallel ranks): the learning-rate schedule and "
+            "the epoch's remaining samples will not continue exactly",
             path,
             saved["global_batch"],
             global_batch(cfg, world_size),
@@ -102,7 +102,7 @@ def _check_same_classes(meta: dict[str, Any] | None, run: Run, path: Path) -> No
     """
     if not isinstance(meta, dict):
         return
-    num_classes = run.head.num_classes
+    num_classes = run.num_classes
     saved = meta.get("classes_sha256")
     if saved is None and isinstance(meta.get("classes"), list):
         digest = hashlib.sha256()

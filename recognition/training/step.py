@@ -12,9 +12,11 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from recognition import distributed
 from recognition.precision import Precision, StepResult
 
 
@@ -86,7 +88,11 @@ def train_step(
     )
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], sharded: Sequence[ShardedPart] = ()) -> float:
+def global_grad_norm(
+    params: Iterable[torch.Tensor],
+    sharded: Sequence[ShardedPart] = (),
+    stage_group: dist.ProcessGroup | None = None,
+) -> float:
     """L2 norm of the gradients of `params` over the whole model, whichever rank holds them.
 
     `params` are the tensors an optimizer steps. Those that a part of `sharded` steps hold
@@ -94,9 +100,11 @@ def global_grad_norm(params: Iterable[torch.Tensor], sharded: Sequence[ShardedPa
     (`squared_grad_norm`, collective). The others are replicated and already equal on every
     rank (DDP averaged them) and count once. So every rank gets the same norm: clipping by a
     local norm would scale each rank's replica differently and the replicas would drift
-    apart. inf/NaN anywhere gives inf/NaN on every rank. Squares are summed in float32 at
-    least (float64 for float64 gradients) so half gradients cannot overflow. Returns 0.0
-    when no parameter has a gradient.
+    apart. With a pipelined backbone each rank holds one stage and the head only the last
+    stage's ranks: `stage_group` (the pipeline's ranks, one per stage) sums those parts,
+    collective over it. inf/NaN anywhere gives inf/NaN on every rank. Squares are summed in
+    float32 at least (float64 for float64 gradients) so half gradients cannot overflow.
+    Returns 0.0 when no parameter has a gradient.
     """
     sharded_ids = {id(part.optimizer_param) for part in sharded}
     replicated = [p.grad for p in params if p.grad is not None and id(p) not in sharded_ids]
@@ -104,6 +112,8 @@ def global_grad_norm(params: Iterable[torch.Tensor], sharded: Sequence[ShardedPa
     total = _squared_norm(replicated, device)
     for part in sharded:
         total = total + part.squared_grad_norm().to(device, torch.float64)
+    if stage_group is not None:
+        total = distributed.all_reduce_tensor_sum(total, stage_group)
     return float(total.sqrt())
 
 

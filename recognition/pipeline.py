@@ -1,0 +1,480 @@
+"""Pipeline-parallel backbone: stages over ranks, micro-batches, composed with data
+parallelism and the sharded head (`model.pipeline_stages` > 1).
+
+Layout. The W ranks form a (W / P) x P device mesh ("dp", "pp"): rank = d * P + s runs
+stage s of data-parallel replica d. A replica's P ranks (its "pp" group) pass activations
+forward and their gradients back with `torch.distributed.pipelining` (`PipelineStage`, a
+GPipe or 1F1B schedule); the W / P ranks holding the same stage (its "dp" group) are
+replicas of it, wrapped in DistributedDataParallel over that group. The margin-softmax
+head lives on the last stage's ranks only, its classes sharded over their "dp" group: the
+schedule's loss function is the head, so the embeddings never leave the ranks that made
+them, exactly as with P = 1.
+
+Stages. A backbone is a chain of units (`recognition.models.units`: the stem, every
+residual block, the embedding layer). The chain is cut at unit boundaries where the
+stages' forward FLOPs are closest to equal (`plan_stages`; `model.pipeline_split` names the
+cuts instead), and each rank keeps its stage's units of a whole backbone built from the run
+seed on every rank, so the pipelined model starts from the same weights whatever P, and
+its parameters keep their unsplit names (`layer3.4.conv1.weight`): a checkpoint of one
+layout resumes in another, P and world size alike.
+
+One step. Every rank of a replica loads the same batch (the stages after the first read
+only its labels, not the images). The batch is split into m micro-batches; the head's loss
+of each is divided by m, so the gradients are those of the batch's mean loss: exactly the
+unpipelined backbone run on the same micro-batches with gradient accumulation. The
+schedule's own gradient scaling is off for that reason (it would not reach the head). The
+step then agrees over the pipeline on the loss (it exists on the last stage only), skips a
+non-finite one on every rank, and clips by the norm over every stage and the whole head.
+
+Batch normalisation sees micro-batches, not the batch: its statistics are those of B / m
+samples (with model.sync_bn, of B / m on each of the stage's data-parallel ranks), and its
+running averages take m updates per step. Small micro-batches therefore make noisier
+batch statistics; that is the one way a pipelined run differs from an unpipelined one with
+the same batch, and the reason an unpipelined run with train.accumulate_steps = m is its
+exact reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Dataset
+from torch.utils.flop_counter import FlopCounterMode
+
+from recognition import distributed
+from recognition.config import ModelConfig
+from recognition.distributed import DistInfo
+from recognition.models import backbone_from_config
+from recognition.models.units import UnitChain
+from recognition.precision import Precision, StepResult
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class PipelineError(ValueError):
+    """A pipeline layout that cannot be built (it names the config key)."""
+
+
+# ---------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Where this rank sits in the (data parallel x pipeline) mesh."""
+
+    num_stages: int
+    stage: int
+    """This rank's stage, 0 .. num_stages - 1."""
+    dp_size: int
+    """Replicas of the pipeline (world size / num_stages)."""
+    dp_rank: int
+    pp_group: dist.ProcessGroup | None
+    """This replica's ranks, in stage order (activations and the loss go through it)."""
+    dp_group: dist.ProcessGroup | None
+    """The ranks holding this stage in every replica (DDP, SyncBN and, on the last stage,
+    the head's class shards)."""
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+def make_layout(num_stages: int, dist_info: DistInfo) -> PipelineLayout:
+    """The (world / num_stages) x num_stages mesh of this job (collective: every rank)."""
+    world = dist_info.world_size
+    if num_stages < 2:
+        raise PipelineError("model.pipeline_stages: a pipeline needs at least 2 stages")
+    if world % num_stages:
+        raise PipelineError(
+            f"model.pipeline_stages={num_stages} does not divide the {world} processes; run "
+            f"a multiple of {num_stages} (torchrun --nproc_per_node)"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp_size = world // num_stages
+    mesh = init_device_mesh(
+        dist_info.device.type, (dp_size, num_stages), mesh_dim_names=("dp", "pp")
+    )
+    return PipelineLayout(
+        num_stages=num_stages,
+        stage=dist_info.rank % num_stages,
+        dp_size=dp_size,
+        dp_rank=dist_info.rank // num_stages,
+        pp_group=mesh["pp"].get_group(),
+        dp_group=mesh["dp"].get_group(),
+    )
+
+
+# ---------------------------------------------------------------------- stages
+
+
+def unit_costs(model_cfg: ModelConfig, image_hw: tuple[int, int]) -> tuple[list[str], list[int]]:
+    """The backbone's units and the forward FLOPs of each for one image.
+
+    Counted on the meta device (no memory, no compute) with torch's FLOP counter, which
+    counts convolutions and matmuls: the work that sets a stage's time.
+    """
+    with torch.device("meta"):
+        backbone = backbone_from_config(model_cfg, image_hw)
+    if not isinstance(backbone, UnitChain):
+        raise PipelineError(
+            f"model.backbone: {model_cfg.backbone} is not a chain of units and cannot be "
+            "cut into pipeline stages"
+        )
+    backbone.eval()  # BatchNorm1d refuses a batch of one in training mode
+    x = torch.zeros(1, 3, *image_hw, device="meta")
+    costs = []
+    with torch.no_grad():
+        for unit in backbone.units():
+            with FlopCounterMode(display=False) as counter:
+                x = backbone.forward_unit(unit, x)
+            costs.append(int(counter.get_total_flops()))
+    return list(backbone.units()), costs
+
+
+def plan_stages(
+    units: Sequence[str],
+    costs: Sequence[float],
+    num_stages: int,
+    split: Sequence[str] | None = None,
+) -> list[tuple[int, int]]:
+    """[first, stop) unit ranges of the stages: cut before the units named in `split`, or
+    where the largest stage cost is smallest (contiguous, every stage at least one unit)."""
+    num_units = len(units)
+    if num_stages > num_units:
+        raise PipelineError(
+            f"model.pipeline_stages={num_stages}: the backbone has only {num_units} units"
+        )
+    if split is not None:
+        starts = []
+        for name in split:
+            if name not in units:
+                raise PipelineError(
+                    f"model.pipeline_split: {name!r} is not a unit of the backbone (its units: "
+                    f"{units[0]}, {units[1]}, ..., {units[-1]})"
+                )
+            starts.append(units.index(name))
+        if starts != sorted(starts) or len(set(starts)) != len(starts) or starts[0] == 0:
+            raise PipelineError(
+                "model.pipeline_split: the units must be in forward order, distinct, and "
+                f"after the first unit ({units[0]}), got {list(split)}"
+            )
+        bounds = [0, *starts, num_units]
+        return [(bounds[i], bounds[i + 1]) for i in range(num_stages)]
+    # best[k][i]: the smallest possible largest stage cost of units [0, i) in k stages.
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    best = [[math.inf] * (num_units + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (num_units + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, num_units + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    ranges, stop = [], num_units
+    for k in range(num_stages, 0, -1):
+        first = cut[k][stop]
+        ranges.append((first, stop))
+        stop = first
+    return ranges[::-1]
+
+
+def build_stage_backbone(
+    model_cfg: ModelConfig, image_hw: tuple[int, int], layout: PipelineLayout, seed: int
+) -> tuple[UnitChain, list[tuple[int, int]]]:
+    """This rank's stage: the whole backbone drawn from `seed`, its other units removed.
+
+    Returns the stage (on the CPU) and every stage's unit range.
+    """
+    units, costs = unit_costs(model_cfg, image_hw)
+    ranges = plan_stages(units, costs, layout.num_stages, model_cfg.pipeline_split)
+    # The same generator state on every rank: the stages are cut from one backbone.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        backbone = backbone_from_config(model_cfg, image_hw)
+    assert isinstance(backbone, UnitChain)
+    backbone.keep_units(*ranges[layout.stage])
+    return backbone, ranges
+
+
+def describe_stages(
+    units: Sequence[str], costs: Sequence[int], ranges: Sequence[tuple[int, int]]
+) -> str:
+    """One line: each stage's first and last unit and its share of the forward FLOPs."""
+    total = max(1, sum(costs))
+    parts = [
+        f"stage {s}: {units[a]}..{units[b - 1]} ({100 * sum(costs[a:b]) / total:.0f} % of FLOPs)"
+        for s, (a, b) in enumerate(ranges)
+    ]
+    return "; ".join(parts)
+
+
+def stage_io(
+    stage: nn.Module,
+    layout: PipelineLayout,
+    input_meta: Tensor | None,
+    precision: Precision,
+    device: torch.device,
+) -> tuple[Tensor, Tensor]:
+    """(input, output) of this rank's stage for one micro-batch, as meta tensors.
+
+    Collective over the pipeline group. Each stage in turn runs a zero micro-batch of the
+    previous stage's output in eval mode under the run's precision (so the dtypes are the
+    ones autocast or a half model give, and no BatchNorm statistic moves) and passes its
+    output's shape and dtype on. `input_meta` is the first stage's input; later stages get
+    theirs from the previous one. Given to `PipelineStage`, these spare it torch's own
+    shape inference, which would run the stages in training mode.
+    """
+    shape_dtype: tuple[tuple[int, ...], torch.dtype] | None = None
+    if layout.is_first:
+        assert input_meta is not None
+        shape_dtype = (tuple(input_meta.shape), input_meta.dtype)
+    mine_in = mine_out = None
+    for s in range(layout.num_stages):
+        if layout.stage == s:
+            mine_in = shape_dtype
+            assert mine_in is not None
+            was_training = stage.training
+            stage.eval()
+            try:
+                with torch.no_grad(), precision.autocast():
+                    output = stage(torch.zeros(mine_in[0], dtype=mine_in[1], device=device))
+            finally:
+                stage.train(was_training)
+            mine_out = (tuple(output.shape), output.dtype)
+            shape_dtype = mine_out
+        source = dist.get_global_rank(layout.pp_group, s)
+        shape_dtype = distributed.broadcast_object(shape_dtype, src=source, group=layout.pp_group)
+    assert mine_in is not None and mine_out is not None
+    # requires_grad marks what carries a gradient back: every activation between stages,
+    # not the images.
+    return (
+        torch.empty(mine_in[0], dtype=mine_in[1], device="meta").requires_grad_(
+            not layout.is_first
+        ),
+        torch.empty(mine_out[0], dtype=mine_out[1], device="meta").requires_grad_(),
+    )
+
+
+class LabelsOnly(Dataset):
+    """The labels of a training source, with an empty image: what the stages after the
+    first load (the first stage reads the images; the last needs only the labels)."""
+
+    def __init__(self, labels: Sequence[int]) -> None:
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[Tensor, int]:
+        index, _ = key
+        return torch.zeros(0), int(self.labels[index])
+
+
+# ---------------------------------------------------------------------- the step
+
+
+class PipelineStep:
+    """One optimizer step of a pipelined backbone; called as `train_step` is.
+
+    Args:
+        stage: this rank's stage module (wrapped in DDP over the "dp" group when there are
+            several replicas).
+        layout: the mesh (see `make_layout`).
+        head: the class-sharded head on the last stage's ranks, None elsewhere.
+        num_micro: micro-batches per batch.
+        schedule: "gpipe" or "1f1b".
+        input_meta / output_meta: the stage's micro-batch input and output (`stage_io`).
+        precision: the run's precision level (autocast, loss scaling, step).
+        device: this rank's device.
+    """
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        layout: PipelineLayout,
+        head: nn.Module | None,
+        *,
+        num_micro: int,
+        schedule: str,
+        input_meta: Tensor,
+        output_meta: Tensor,
+        precision: Precision,
+        device: torch.device,
+    ) -> None:
+        self.layout = layout
+        self.head = head
+        self.num_micro = num_micro
+        self.precision = precision
+        self.device = device
+        self.pipeline_stage = PipelineStage(
+            stage,
+            layout.stage,
+            layout.num_stages,
+            device,
+            input_args=input_meta,
+            output_args=output_meta,
+            group=layout.pp_group,
+        )
+        # Every rank gives a loss function (a rank without one would run no backward); only
+        # the last stage calls it. scale_grads=False: the loss is divided by m instead, so
+        # the head's gradient (not a stage parameter) is scaled too.
+        self.schedule = SCHEDULES[schedule](
+            self.pipeline_stage, num_micro, loss_fn=self._loss, scale_grads=False
+        )
+        self._losses: list[Tensor] = []
+        self._accuracies: list[Tensor] = []
+
+    def _loss(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+        assert self.head is not None
+        loss = self.head(embeddings, labels)
+        self._losses.append(loss.detach())
+        accuracy = getattr(self.head, "last_accuracy", None)
+        if accuracy is not None:
+            self._accuracies.append(accuracy.detach())
+        return self.precision.scale_loss(loss / self.num_micro)
+
+    def __call__(
+        self,
+        model: nn.Module,
+        head: nn.Module | None,
+        micro_batches: Sequence[tuple[Tensor, Tensor]],
+        optimizer: torch.optim.Optimizer,
+        precision: Precision,
+        max_grad_norm: float | None,
+    ) -> StepResult:
+        """Run the schedule over the batch (`micro_batches` holds one: the pipeline makes
+        its own micro-batches) and step; the result is the same on every rank."""
+        from recognition.training.step import global_grad_norm
+
+        ((images, labels),) = micro_batches
+        layout = self.layout
+        precision.zero_grad(optimizer)
+        self._losses, self._accuracies = [], []
+        accumulating = (
+            self.head.accumulating()  # type: ignore[union-attr]
+            if self.head is not None and hasattr(self.head, "accumulating")
+            else contextlib.nullcontext()
+        )
+        with precision.autocast(), accumulating:
+            if layout.is_first:
+                self.schedule.step(precision.cast_inputs(images), return_outputs=False)
+            elif layout.is_last:
+                self.schedule.step(target=labels, return_outputs=False)
+            else:
+                self.schedule.step(return_outputs=False)
+        loss, accuracy, finite = self._agree()
+        if not finite:
+            precision.zero_grad(optimizer)
+            return StepResult(
+                stepped=False,
+                grad_norm=float("nan"),
+                scale=precision.loss_scale(),
+                loss=loss,
+                finite=False,
+            )
+        sharded = [self.head] if self.head is not None else []
+        result = precision.step(
+            optimizer,
+            max_grad_norm,
+            grad_norm_fn=lambda params: global_grad_norm(params, sharded, layout.pp_group),
+        )
+        return StepResult(
+            stepped=result.stepped,
+            grad_norm=float(result.grad_norm),
+            scale=float(result.scale),
+            loss=loss,
+            accuracy=accuracy,
+        )
+
+    def _agree(self) -> tuple[float, float, bool]:
+        """The batch's mean loss and accuracy and whether every loss was finite, on every
+        rank of the pipeline (the last stage has them; the others contribute zeros)."""
+        stats = torch.zeros(3, dtype=torch.float64, device=self.device)
+        if self.layout.is_last:
+            losses = torch.stack(self._losses).double()
+            finite = torch.isfinite(losses)
+            stats[0] = torch.where(finite, losses, 0.0).sum()
+            stats[1] = torch.stack(self._accuracies).double().sum() if self._accuracies else 0.0
+            stats[2] = (~finite).sum()
+        stats = distributed.all_reduce_tensor_sum(stats, self.layout.pp_group).tolist()
+        loss, accuracy, nonfinite = stats
+        has_accuracy = self.head is None or bool(self._accuracies)
+        return (
+            loss / self.num_micro if not nonfinite else float("nan"),
+            accuracy / self.num_micro if has_accuracy else float("nan"),
+            nonfinite == 0,
+        )
+
+
+# ---------------------------------------------------------------------- the whole backbone
+
+
+def gather_backbone(
+    stage_state: dict[str, Tensor],
+    layout: PipelineLayout,
+    model_cfg: ModelConfig,
+    image_hw: tuple[int, int],
+    device: torch.device,
+) -> nn.Module | None:
+    """The whole backbone (fp32) on rank 0, put together from the stages' state dicts of
+    the first replica; None on every other rank. Collective over every rank (for evaluation
+    and the export); `stage_state` is this rank's stage's state dict under its unsplit
+    names."""
+    state = None
+    if layout.dp_rank == 0:
+        state = {k: v.detach().cpu() for k, v in stage_state.items()}
+    gathered: list[Any] = [None] * distributed.world_size() if distributed.rank() == 0 else None
+    dist.gather_object(state, gathered, dst=0)
+    if gathered is None:
+        return None
+    whole = backbone_from_config(model_cfg, image_hw)
+    merged: dict[str, Tensor] = {}
+    for part in gathered:
+        if part is not None:
+            merged.update(part)
+    whole.load_state_dict(merged)
+    return whole.float().to(device)
+
+
+def wrap_stage(stage: nn.Module, layout: PipelineLayout, device: torch.device) -> nn.Module:
+    """`stage` wrapped in DDP over its data-parallel group when there are several replicas."""
+    if layout.dp_size == 1:
+        return stage
+    return DistributedDataParallel(
+        stage,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=layout.dp_group,
+    )
+
+
+__all__: list[str] = [
+    "LabelsOnly",
+    "PipelineError",
+    "PipelineLayout",
+    "PipelineStep",
+    "build_stage_backbone",
+    "describe_stages",
+    "gather_backbone",
+    "make_layout",
+    "plan_stages",
+    "stage_io",
+    "unit_costs",
+    "wrap_stage",
+]
