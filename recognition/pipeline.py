@@ -379,6 +379,10 @@ class PipelineStep:
                 self.schedule.step(target=labels, return_outputs=False)
             else:
                 self.schedule.step(return_outputs=False)
+        if not layout.is_last:
+            # The loss scaler starts at its first scale(); these ranks scale no loss (their
+            # gradients arrive scaled from the last stage) but unscale in step().
+            precision.scale_loss(torch.zeros((), device=self.device))
         loss, accuracy, finite = self._agree()
         if not finite:
             precision.zero_grad(optimizer)
