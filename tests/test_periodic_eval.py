@@ -233,11 +233,14 @@ def test_two_ranks_wait_for_rank0_and_share_its_errors(data, tmp_path):
         job(tmp_path / "good", pairs),
         job(tmp_path / "bad", broken / "pairs.txt"),
         job(tmp_path / "missing_run", missing / "pairs.txt"),
+        # Two pipeline stages: rank 0 evaluates the whole backbone put together from both.
+        job(tmp_path / "pipelined", pairs)
+        + ["model.pipeline_stages=2", "model.micro_batch_size=2", "train.checkpoint_every=3"],
     ]
     mp.spawn(_rank_main, args=(port, jobs, str(tmp_path)), nprocs=2)
     for rank in (0, 1):
-        good, bad, absent = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert good == "ok"
+        good, bad, absent, pipelined = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert good == "ok" and pipelined == "ok"
         # Every rank stops with rank 0's message (not a collective timeout).
         assert bad.startswith("ValueError: evaluation at step 3 failed") and "v0_0001" in bad
         assert absent.startswith("ValueError: eval.targets: ") and "v0_0001" in absent
@@ -264,3 +267,13 @@ def test_missing_target_stops_before_the_first_step(data, tmp_path, kind):
         train(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+    run_dir = tmp_path / "pipelined"
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().split("\n") if x]
+    assert [r["step"] for r in records if "eval/val/accuracy" in r] == [3, 6]
+    best = json.loads((run_dir / "best.json").read_text())
+    _, _, best_state = ckpt.load_backbone_file(run_dir / "best_backbone.pt")
+    _, _, step_state = ckpt.load_backbone_file(ckpt.checkpoint_path(run_dir, best["step"]))
+    assert best_state.keys() == step_state.keys()
+    for key in best_state:
+        torch.testing.assert_close(best_state[key], step_state[key], rtol=0, atol=0)
