@@ -26,10 +26,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def one_error_line(err: str) -> str:
-    """The `error:` line of stderr; fails on a traceback or on more than one such line."""
+    """The `error:` line of stderr; fails on a traceback, on more than one such line, or on
+    its message standing on any other line too (a log line repeating it, say)."""
     assert "Traceback" not in err and "Caught " not in err, err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith(("error:", "config error:"))]
     assert len(lines) == 1, err[-3000:]
+    message = lines[0].split(": ", 1)[1]
+    carrying = [line for line in err.splitlines() if message in line]
+    assert len(carrying) == 1, f"the message stands on {len(carrying)} lines:\n{err[-3000:]}"
     return lines[0]
 
 
@@ -87,6 +91,11 @@ def test_data_root_that_is_a_file(tmp_path, capsys):
     assert train.main(tiny_args(data, tmp_path / "run")) == 1
     line = one_error_line(capsys.readouterr().err)
     assert f"data.root: {data} is a file" in line
+    # The console shows the message once; the run's log still says why the run stopped.
+    assert (
+        f"ERROR recognition: data.root: {data} is a file"
+        in (tmp_path / "run" / "train.log").read_text()
+    )
 
 
 def test_recordio_without_its_idx_names_the_idx(tmp_path, capsys):
