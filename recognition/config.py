@@ -258,22 +258,9 @@ class TrainConfig:
     no deterministic version stops the run naming it). On CPU it changes nothing measurable."""
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ConfigError("train.batch_size: must be at least 1")
-        if self.epochs < 1:
-            raise ConfigError("train.epochs: must be at least 1")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError("train.max_steps: must be at least 1 (or null)")
-        if self.accumulate_steps < 1:
-            raise ConfigError("train.accumulate_steps: must be at least 1")
-        if self.log_every < 1:
-            raise ConfigError("train.log_every: must be at least 1")
-        if self.checkpoint_every is not None and self.checkpoint_every < 1:
-            raise ConfigError("train.checkpoint_every: must be at least 1 (or null)")
-        if self.keep_checkpoints < 1:
-            raise ConfigError("train.keep_checkpoints: must be at least 1")
-        if self.max_nonfinite_steps < 1:
-            raise ConfigError("train.max_nonfinite_steps: must be at least 1")
+        counts = ("batch_size", "epochs", "max_steps", "accumulate_steps", "log_every")
+        counts += ("checkpoint_every", "keep_checkpoints", "max_nonfinite_steps")
+        check_counts("train", self, counts, nullable=("max_steps", "checkpoint_every"))
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"train.device: {self.device!r} is not auto, cpu or cuda")
         if self.dist_backend not in ("auto", "nccl", "gloo"):
@@ -376,10 +363,7 @@ class EvalConfig:
                 f"eval.targets: two targets are called {duplicates[0]!r}; give them distinct "
                 "`name`s"
             )
-        if self.every_steps is not None and self.every_steps < 1:
-            raise ConfigError("eval.every_steps: must be at least 1 (or null)")
-        if self.batch_size < 1:
-            raise ConfigError("eval.batch_size: must be at least 1")
+        check_counts("eval", self, ("every_steps", "batch_size"), nullable=("every_steps",))
         if self.image_size is not None:
             self.image_size = check_image_size(self.image_size, "eval.image_size")
         if self.best_metric is not None:
@@ -399,6 +383,18 @@ class EvalConfig:
 
 
 MIN_IMAGE_SIDE = 16
+
+
+def check_counts(
+    section: str, config: Any, names: Sequence[str], nullable: Sequence[str] = ()
+) -> None:
+    """Raise a ConfigError naming `section.<name>` for the first of the fields `names` of
+    `config` below 1; the `nullable` ones may also be null."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            or_null = " (or null)" if name in nullable else ""
+            raise ConfigError(f"{section}.{name}: must be at least 1{or_null}")
 
 
 def image_size_pair(image_size: int | Sequence[int]) -> tuple[int, int]:
