@@ -90,7 +90,8 @@ class DataConfig:
     persistent_workers: bool = True
     """Keep the DataLoader worker processes from one epoch to the next."""
     prefetch_factor: int | None = None
-    """Batches each worker loads ahead; null: torch's default (2). Needs num_workers > 0."""
+    """Batches each worker loads ahead; null: torch's default (2). Needs num_workers > 0
+    (`data.num_workers=0` on the command line clears a file's value)."""
     channels_last: bool = False
     """Feed the backbone NHWC (channels-last) tensors and convert its weights: faster convs
     on GPUs with tensor cores, especially under O1/O2."""
@@ -112,7 +113,8 @@ class DataConfig:
                 raise ConfigError("data.prefetch_factor: must be at least 1 (or null)")
             if self.num_workers == 0:
                 raise ConfigError(
-                    "data.prefetch_factor: only with worker processes (data.num_workers > 0)"
+                    "data.prefetch_factor: only with worker processes (data.num_workers > 0); "
+                    "with data.num_workers=0, set data.prefetch_factor=null"
                 )
 
 
@@ -561,18 +563,29 @@ def load_config(
     raw.setdefault("name", path.stem)
     for item in overrides or []:
         _apply_override(raw, item)
-    _best_metric_follows_targets(raw, overrides or [])
+    _followers_follow(raw, overrides or [])
     return config_from_dict(raw)
 
 
-def _best_metric_follows_targets(raw: dict[str, Any], overrides: list[str]) -> None:
-    """`eval.targets=[]` on the command line also drops the config file's `eval.best_metric`
-    (it names one of the targets just removed), unless the command line sets that too."""
+# (section, key, value, follower): that value set on the command line makes the config
+# file's `follower` of the same section meaningless, so it becomes null, unless the command
+# line sets it too (then a conflict is an error that names the override to add).
+FOLLOWERS = (
+    ("eval", "targets", [], "best_metric"),  # it names one of the targets just removed
+    ("data", "num_workers", 0, "prefetch_factor"),  # batches each worker loads ahead
+)
+
+
+def _followers_follow(raw: dict[str, Any], overrides: list[str]) -> None:
+    """Set to null the file's followers (`FOLLOWERS`) of what the command line set."""
     keys = {item.partition("=")[0].strip() for item in overrides}
-    section = raw.get("eval")
-    if "eval.targets" in keys and "eval.best_metric" not in keys and isinstance(section, dict):
-        if section.get("targets") == [] and section.get("best_metric") is not None:
-            section["best_metric"] = None
+    for section_name, key, value, follower in FOLLOWERS:
+        section = raw.get(section_name)
+        if f"{section_name}.{key}" not in keys or f"{section_name}.{follower}" in keys:
+            continue
+        if isinstance(section, dict) and section.get(key) == value:
+            if section.get(follower) is not None:
+                section[follower] = None
 
 
 def config_from_dict(raw: dict[str, Any]) -> ExperimentConfig:

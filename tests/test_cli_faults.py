@@ -49,6 +49,19 @@ def test_clearing_the_targets_clears_the_best_metric_of_the_file():
         load_config("ms1m_arcface", ["eval.targets=[]", "eval.best_metric=lfw/accuracy"])
 
 
+@pytest.mark.parametrize(
+    "name", ["face_base", "ms1m_arcface", "glint360k_cosface", "webface42m_arcface_pfc"]
+)
+def test_no_workers_clears_the_prefetch_factor_of_the_file(name):
+    assert load_config(name).data.prefetch_factor == 4
+    cfg = load_config(name, ["data.num_workers=0"])
+    assert (cfg.data.num_workers, cfg.data.prefetch_factor) == (0, None)
+    # Set on the command line too: refused with the override that fixes it.
+    fix = r"with data.num_workers=0, set data.prefetch_factor=null"
+    with pytest.raises(ConfigError, match=fix):
+        load_config(name, ["data.num_workers=0", "data.prefetch_factor=2"])
+
+
 @pytest.mark.parametrize("value", [".nan", "nan", ".inf", "-.inf", "1e999"])
 def test_non_finite_numbers_are_named_by_their_own_key(value, capsys):
     assert train.main([f"optim.lr={value}"]) == 2
