@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                     xnorm=args.xnorm,
                 )
         if is_reid:
-            run.report_reid(results, json_path=args.json)
+            reid.report_reid(results, json_path=args.json)
         else:
             run.report(results, json_path=args.json, roc_path=args.roc, flat_json=True)
     except (ConfigError, ValueError, OSError) as exc:

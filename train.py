@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from recognition.data.workers import error_message
     from recognition.distributed import is_collective_failure
+    from recognition.logging import log_to_files
     from recognition.training import TrainingError, train
 
     try:
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     # message by the code that raised it.
     except (TrainingError, ConfigError, ValueError, OSError) as exc:
         message = error_message(exc)  # a loader worker's error without its traceback
-        logging.getLogger("recognition").error("%s", message)
+        # One line on the console (this one); train.log keeps it too.
+        log_to_files(logging.ERROR, message)
         print(f"error: {message}", file=sys.stderr)
         return 1
     except Exception as exc:
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{cfg.run_dir / 'checkpoints'} is intact; train.resume=auto continues from it. "
             f"[{detail}]"
         )
-        logging.getLogger("recognition").error("%s", message)
+        log_to_files(logging.ERROR, message)
         print(f"error: {message}", file=sys.stderr, flush=True)
         logging.shutdown()
         # A process group whose peer is gone cannot be torn down (gloo aborts, NCCL may

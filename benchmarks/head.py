@@ -180,7 +180,8 @@ def _build(case: Case, rank: int, device):
     import torch.nn.functional as F
 
     from recognition import distributed
-    from recognition.heads import ArcFace, ShardedMarginSoftmax, shard_range
+    from recognition.heads import ShardedMarginSoftmax, shard_range
+    from recognition.heads.margins import ArcFace
 
     margin = ArcFace(s=64.0, m=0.5)
     w = case.world_size

@@ -90,7 +90,8 @@ class DataConfig:
     persistent_workers: bool = True
     """Keep the DataLoader worker processes from one epoch to the next."""
     prefetch_factor: int | None = None
-    """Batches each worker loads ahead; null: torch's default (2). Needs num_workers > 0."""
+    """Batches each worker loads ahead; null: torch's default (2). Needs num_workers > 0
+    (`data.num_workers=0` on the command line clears a file's value)."""
     channels_last: bool = False
     """Feed the backbone NHWC (channels-last) tensors and convert its weights: faster convs
     on GPUs with tensor cores, especially under O1/O2."""
@@ -112,7 +113,8 @@ class DataConfig:
                 raise ConfigError("data.prefetch_factor: must be at least 1 (or null)")
             if self.num_workers == 0:
                 raise ConfigError(
-                    "data.prefetch_factor: only with worker processes (data.num_workers > 0)"
+                    "data.prefetch_factor: only with worker processes (data.num_workers > 0); "
+                    "with data.num_workers=0, set data.prefetch_factor=null"
                 )
 
 
@@ -284,22 +286,9 @@ class TrainConfig:
     no deterministic version stops the run naming it). On CPU it changes nothing measurable."""
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ConfigError("train.batch_size: must be at least 1")
-        if self.epochs < 1:
-            raise ConfigError("train.epochs: must be at least 1")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError("train.max_steps: must be at least 1 (or null)")
-        if self.accumulate_steps < 1:
-            raise ConfigError("train.accumulate_steps: must be at least 1")
-        if self.log_every < 1:
-            raise ConfigError("train.log_every: must be at least 1")
-        if self.checkpoint_every is not None and self.checkpoint_every < 1:
-            raise ConfigError("train.checkpoint_every: must be at least 1 (or null)")
-        if self.keep_checkpoints < 1:
-            raise ConfigError("train.keep_checkpoints: must be at least 1")
-        if self.max_nonfinite_steps < 1:
-            raise ConfigError("train.max_nonfinite_steps: must be at least 1")
+        counts = ("batch_size", "epochs", "max_steps", "accumulate_steps", "log_every")
+        counts += ("checkpoint_every", "keep_checkpoints", "max_nonfinite_steps")
+        check_counts("train", self, counts, nullable=("max_steps", "checkpoint_every"))
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"train.device: {self.device!r} is not auto, cpu or cuda")
         if self.dist_backend not in ("auto", "nccl", "gloo"):
@@ -402,10 +391,7 @@ class EvalConfig:
                 f"eval.targets: two targets are called {duplicates[0]!r}; give them distinct "
                 "`name`s"
             )
-        if self.every_steps is not None and self.every_steps < 1:
-            raise ConfigError("eval.every_steps: must be at least 1 (or null)")
-        if self.batch_size < 1:
-            raise ConfigError("eval.batch_size: must be at least 1")
+        check_counts("eval", self, ("every_steps", "batch_size"), nullable=("every_steps",))
         if self.image_size is not None:
             self.image_size = check_image_size(self.image_size, "eval.image_size")
         if self.best_metric is not None:
@@ -425,6 +411,18 @@ class EvalConfig:
 
 
 MIN_IMAGE_SIDE = 16
+
+
+def check_counts(
+    section: str, config: Any, names: Sequence[str], nullable: Sequence[str] = ()
+) -> None:
+    """Raise a ConfigError naming `section.<name>` for the first of the fields `names` of
+    `config` below 1; the `nullable` ones may also be null."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            or_null = " (or null)" if name in nullable else ""
+            raise ConfigError(f"{section}.{name}: must be at least 1{or_null}")
 
 
 def image_size_pair(image_size: int | Sequence[int]) -> tuple[int, int]:
@@ -643,18 +641,29 @@ def load_config(
     raw.setdefault("name", path.stem)
     for item in overrides or []:
         _apply_override(raw, item)
-    _best_metric_follows_targets(raw, overrides or [])
+    _followers_follow(raw, overrides or [])
     return config_from_dict(raw)
 
 
-def _best_metric_follows_targets(raw: dict[str, Any], overrides: list[str]) -> None:
-    """`eval.targets=[]` on the command line also drops the config file's `eval.best_metric`
-    (it names one of the targets just removed), unless the command line sets that too."""
+# (section, key, value, follower): that value set on the command line makes the config
+# file's `follower` of the same section meaningless, so it becomes null, unless the command
+# line sets it too (then a conflict is an error that names the override to add).
+FOLLOWERS = (
+    ("eval", "targets", [], "best_metric"),  # it names one of the targets just removed
+    ("data", "num_workers", 0, "prefetch_factor"),  # batches each worker loads ahead
+)
+
+
+def _followers_follow(raw: dict[str, Any], overrides: list[str]) -> None:
+    """Set to null the file's followers (`FOLLOWERS`) of what the command line set."""
     keys = {item.partition("=")[0].strip() for item in overrides}
-    section = raw.get("eval")
-    if "eval.targets" in keys and "eval.best_metric" not in keys and isinstance(section, dict):
-        if section.get("targets") == [] and section.get("best_metric") is not None:
-            section["best_metric"] = None
+    for section_name, key, value, follower in FOLLOWERS:
+        section = raw.get(section_name)
+        if f"{section_name}.{key}" not in keys or f"{section_name}.{follower}" in keys:
+            continue
+        if isinstance(section, dict) and section.get(key) == value:
+            if section.get(follower) is not None:
+                section[follower] = None
 
 
 def config_from_dict(raw: dict[str, Any]) -> ExperimentConfig:

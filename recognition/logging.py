@@ -45,6 +45,20 @@ def setup_logging(run_dir: Path | None, dist_info: DistInfo) -> None:
         logger.addHandler(handler)
 
 
+def log_to_files(level: int, message: str) -> None:
+    """Write `message` to the run's log file (`train.log`, `train.rank<R>.log`) only.
+
+    For the error that stops a run: the entry point prints it to the console as its one
+    line, and the log file must still say why the run stopped. Nothing is written before
+    `setup_logging` has opened a file.
+    """
+    logger = logging.getLogger("recognition")
+    record = logger.makeRecord(logger.name, level, "(entry point)", 0, message, (), None)
+    for handler in logger.handlers:
+        if isinstance(handler, logging.FileHandler) and getattr(handler, "_recognition", False):
+            handler.handle(record)
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl and mirrors it to TensorBoard.
 

@@ -32,3 +32,17 @@ def folder_overrides(root: Path, out: Path) -> list[str]:
         "data.image_size=32",
         "data.num_workers=0",
     ]
+
+
+def tiny_run_overrides(root: Path, out: Path, *extra: str) -> list[str]:
+    """`folder_overrides` with a 1/8-width backbone and 16-d embeddings, logging every step,
+    no progress bar and no evaluation targets; `extra` comes last and wins."""
+    return [
+        *folder_overrides(root, out),
+        "model.width=0.125",
+        "model.embedding_size=16",
+        "train.log_every=1",
+        "train.progress=false",
+        "eval.targets=[]",
+        *extra,
+    ]

@@ -26,10 +26,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def one_error_line(err: str) -> str:
-    """The `error:` line of stderr; fails on a traceback or on more than one such line."""
+    """The `error:` line of stderr; fails on a traceback, on more than one such line, or on
+    its message standing on any other line too (a log line repeating it, say)."""
     assert "Traceback" not in err and "Caught " not in err, err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith(("error:", "config error:"))]
     assert len(lines) == 1, err[-3000:]
+    message = lines[0].split(": ", 1)[1]
+    carrying = [line for line in err.splitlines() if message in line]
+    assert len(carrying) == 1, f"the message stands on {len(carrying)} lines:\n{err[-3000:]}"
     return lines[0]
 
 
@@ -43,6 +47,19 @@ def test_clearing_the_targets_clears_the_best_metric_of_the_file():
     # Set on the command line too: kept, and refused with the override that fixes it.
     with pytest.raises(ConfigError, match="without targets, set eval.best_metric=null"):
         load_config("ms1m_arcface", ["eval.targets=[]", "eval.best_metric=lfw/accuracy"])
+
+
+@pytest.mark.parametrize(
+    "name", ["face_base", "ms1m_arcface", "glint360k_cosface", "webface42m_arcface_pfc"]
+)
+def test_no_workers_clears_the_prefetch_factor_of_the_file(name):
+    assert load_config(name).data.prefetch_factor == 4
+    cfg = load_config(name, ["data.num_workers=0"])
+    assert (cfg.data.num_workers, cfg.data.prefetch_factor) == (0, None)
+    # Set on the command line too: refused with the override that fixes it.
+    fix = r"with data.num_workers=0, set data.prefetch_factor=null"
+    with pytest.raises(ConfigError, match=fix):
+        load_config(name, ["data.num_workers=0", "data.prefetch_factor=2"])
 
 
 @pytest.mark.parametrize("value", [".nan", "nan", ".inf", "-.inf", "1e999"])
@@ -87,6 +104,11 @@ def test_data_root_that_is_a_file(tmp_path, capsys):
     assert train.main(tiny_args(data, tmp_path / "run")) == 1
     line = one_error_line(capsys.readouterr().err)
     assert f"data.root: {data} is a file" in line
+    # The console shows the message once; the run's log still says why the run stopped.
+    assert (
+        f"ERROR recognition: data.root: {data} is a file"
+        in (tmp_path / "run" / "train.log").read_text()
+    )
 
 
 def test_recordio_without_its_idx_names_the_idx(tmp_path, capsys):

@@ -82,6 +82,30 @@ def test_bad_overrides_name_the_key(override, key):
         load_config("default", [override])
 
 
+@pytest.mark.parametrize(
+    "key",
+    [
+        "train.batch_size",
+        "train.epochs",
+        "train.accumulate_steps",
+        "train.log_every",
+        "train.keep_checkpoints",
+        "train.max_nonfinite_steps",
+        "eval.batch_size",
+    ],
+)
+def test_counts_below_one_are_refused_by_name(key):
+    with pytest.raises(ConfigError, match=f"^{key}: must be at least 1$"):
+        load_config("default", [f"{key}=0"])
+
+
+@pytest.mark.parametrize("key", ["train.max_steps", "train.checkpoint_every", "eval.every_steps"])
+def test_optional_counts_below_one_say_null_is_allowed(key):
+    with pytest.raises(ConfigError, match=rf"^{key}: must be at least 1 \(or null\)$"):
+        load_config("default", [f"{key}=0"])
+    load_config("default", [f"{key}=null"])
+
+
 def test_bool_is_not_an_int_and_int_is_a_float():
     with pytest.raises(ConfigError, match="train.batch_size"):
         config_from_dict({"train": {"batch_size": True}})

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import folder_overrides, make_image_folder
+from helpers import make_image_folder, tiny_run_overrides
 
 from recognition import checkpoint as ckpt
 from recognition.config import load_config
@@ -25,19 +25,15 @@ def image_folder(tmp_path_factory) -> Path:
 def tiny_config(image_folder: Path, out: Path, *extra: str):
     return load_config(
         "default",
-        [
-            *folder_overrides(image_folder, out),
+        tiny_run_overrides(
+            image_folder,
+            out,
             "model.backbone=iresnet18",
-            "model.width=0.125",
-            "model.embedding_size=16",
             "train.batch_size=8",
             "train.epochs=2",
-            "train.log_every=1",
-            "train.progress=false",
             "optim.warmup_epochs=0.5",
-            "eval.targets=[]",
             *extra,
-        ],
+        ),
     )
 
 

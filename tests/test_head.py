@@ -202,40 +202,35 @@ def test_forward_rejects_bad_inputs(embeddings, labels, match):
 # ---- loss and gradients against the reference ---------------------------------------------
 
 
-@pytest.mark.parametrize("chunk_size", [None, 1, 4, 64], ids=lambda c: f"chunk{c}")
+# (classes, embedding size, batch, seed, dtype, rel. tolerance, duplicate labels, chunk size):
+# float64 to 1e-10 (several rows sharing a class row), a batch of one, float32 to 1e-5.
+REFERENCE_SETTINGS = [
+    *[(23, 16, 12, 1, torch.float64, 1e-10, True, chunk) for chunk in (None, 1, 4, 64)],
+    *[(7, 8, 1, 3, torch.float64, 1e-10, False, chunk) for chunk in (None, 3)],
+    *[(37, 32, 16, 5, torch.float32, 1e-5, False, chunk) for chunk in (None, 5)],
+]
+
+
+@pytest.mark.parametrize(
+    "num_classes, embedding_size, batch_size, seed, dtype, rel, duplicates, chunk_size",
+    REFERENCE_SETTINGS,
+)
 @pytest.mark.parametrize("case", MARGIN_CASES, ids=MARGIN_IDS)
-def test_matches_reference_float64(case, chunk_size):
+def test_matches_reference(
+    case, num_classes, embedding_size, batch_size, seed, dtype, rel, duplicates, chunk_size
+):
     _, make_margin, scale, psi = case
-    torch.manual_seed(1)
-    head = ShardedMarginSoftmax(23, 16, make_margin(), chunk_size=chunk_size).double()
-    embeddings, labels = make_batch(23, 16, 12, seed=2)
-    labels[:4] = 5  # duplicate labels: several rows share one class row
-    loss, _, _ = assert_matches_reference(head, embeddings, labels, scale, psi, 1e-10)
-    assert loss.dtype == torch.float64 and loss.shape == ()
-
-
-@pytest.mark.parametrize("chunk_size", [None, 3])
-@pytest.mark.parametrize("case", MARGIN_CASES, ids=MARGIN_IDS)
-def test_batch_of_one(case, chunk_size):
-    _, make_margin, scale, psi = case
-    torch.manual_seed(3)
-    head = ShardedMarginSoftmax(7, 8, make_margin(), chunk_size=chunk_size).double()
-    embeddings, labels = make_batch(7, 8, 1, seed=4)
-    assert_matches_reference(head, embeddings, labels, scale, psi, 1e-10)
-
-
-@pytest.mark.parametrize("chunk_size", [None, 5])
-@pytest.mark.parametrize("case", MARGIN_CASES, ids=MARGIN_IDS)
-def test_matches_reference_float32(case, chunk_size):
-    _, make_margin, scale, psi = case
-    torch.manual_seed(5)
-    head = ShardedMarginSoftmax(37, 32, make_margin(), chunk_size=chunk_size)
-    embeddings, labels = make_batch(37, 32, 16, seed=6, dtype=torch.float32)
+    torch.manual_seed(seed)
+    head = ShardedMarginSoftmax(num_classes, embedding_size, make_margin(), chunk_size=chunk_size)
+    head = head.to(dtype)
+    embeddings, labels = make_batch(num_classes, embedding_size, batch_size, seed + 1, dtype)
+    if duplicates:
+        labels[:4] = 5  # several rows share one class row
     loss, grad_embeddings, grad_weight = assert_matches_reference(
-        head, embeddings, labels, scale, psi, 1e-5
+        head, embeddings, labels, scale, psi, rel
     )
-    assert loss.dtype == torch.float32
-    assert grad_weight.dtype == torch.float32 and grad_embeddings.dtype == torch.float32
+    assert loss.shape == () and loss.dtype == dtype
+    assert grad_weight.dtype == dtype and grad_embeddings.dtype == dtype
 
 
 def test_accuracy_matches_reference_argmax():

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from test_head import MARGIN_CASES
 
 from recognition import distributed
-from recognition.heads import CosFace, ShardedMarginSoftmax, shard_range
+from recognition.heads import ShardedMarginSoftmax, shard_range
+from recognition.heads.margins import CosFace
 
 NUM_CLASSES = 23  # 23 % W != 0 for W = 2, 3, 4: uneven shards
 EMBEDDING_SIZE = 8

@@ -35,8 +35,9 @@ from test_head import (  # noqa: E402
 )
 
 from recognition.config import ConfigError, config_from_dict  # noqa: E402
-from recognition.heads import ArcFace, CosFace, ShardedMarginSoftmax  # noqa: E402
+from recognition.heads import ShardedMarginSoftmax  # noqa: E402
 from recognition.heads import margin_softmax as head_module  # noqa: E402
+from recognition.heads.margins import ArcFace, CosFace  # noqa: E402
 
 # The spawned ranks import this module, not conftest: they need the interpreter fix too.
 interpreter_scalars_as_indices()

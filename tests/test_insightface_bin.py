@@ -162,6 +162,7 @@ def test_dataset_decodes_like_training_and_names_bad_images(tmp_path):
     path = tmp_path / "set.bin"
     path.write_bytes(pickle.dumps((bins, [True])))
     dataset = BinDataset(load_bin(path), size=16, crop=20)
+    assert dataset.size == (16, 16)
     expected = to_input_tensor(
         center_crop(Image.open(io.BytesIO(bins[0])).convert("RGB"), 20), (16, 16)
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import folder_overrides
+from helpers import tiny_run_overrides
 from PIL import Image
 
 from recognition import checkpoint as ckpt
@@ -53,19 +53,15 @@ def config(train_root: Path, out: Path, *extra: str):
 
 
 def config_overrides(train_root: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        *folder_overrides(train_root, out),
-        "model.width=0.125",
-        "model.embedding_size=16",
+    return tiny_run_overrides(
+        train_root,
+        out,
         "train.batch_size=8",
         "train.epochs=2",
         "train.max_steps=6",
-        "train.log_every=1",
-        "train.progress=false",
-        "eval.targets=[]",
         "eval.at_end=false",
         *extra,
-    ]
+    )
 
 
 def test_periodic_eval_logs_and_keeps_the_best(data, tmp_path):

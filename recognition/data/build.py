@@ -68,7 +68,7 @@ def build_train_dataset(
     training loop flips through `AugmentedView`, seeded per sample.
     """
     kind = resolve_format(data_cfg)
-    size = data_cfg.image_size
+    size = data_cfg.image_hw
     policy = data_cfg.on_bad_image
     if kind == "recordio":
         return RecordIODataset(data_cfg.root, size, on_bad_image=policy)

@@ -190,9 +190,10 @@ def _as_bools(issame: Any, path: Path) -> np.ndarray:
 
 
 def decode_image(
-    data: bytes, size: int | tuple[int, int], where: str, crop: int | None = None
+    data: bytes, size: tuple[int, int], where: str, crop: int | None = None
 ) -> torch.Tensor:
-    """Encoded image bytes as a (3, H, W) float32 input in [-1, 1], like training inputs.
+    """Encoded image bytes as a (3, H, W) float32 input in [-1, 1] at `size` = (H, W), like
+    training inputs.
 
     ``crop`` (pixels) takes a centre square of that side before resizing. Raises ValueError
     naming ``where`` when the bytes do not decode.
@@ -200,17 +201,20 @@ def decode_image(
     rgb = decode_rgb(data, where)
     if crop is not None:
         rgb = center_crop(rgb, crop)
-    return to_input_tensor(rgb, image_size_pair(size))
+    return to_input_tensor(rgb, size)
 
 
 class BinDataset(Dataset):
-    """The images of a :class:`BinPairs`, item i the (3, H, W) input tensor of image i."""
+    """The images of a :class:`BinPairs`, item i the (3, H, W) input tensor of image i.
+
+    `size` is (H, W) or a square side (`size` then holds it as (H, W)).
+    """
 
     def __init__(
         self, pairs: BinPairs, size: int | tuple[int, int] = 112, crop: int | None = None
     ) -> None:
         self.pairs = pairs
-        self.size = size
+        self.size = image_size_pair(size)  # once, not per image
         self.crop = crop
 
     def __len__(self) -> int:

@@ -30,6 +30,8 @@ from recognition.evaluation.embeddings import (
     PathDataset,
     save_embeddings,
 )
+from recognition.evaluation.run import write_json
+from recognition.evaluation.verification import to_json_dict
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +136,17 @@ def format_reid_table(results: Mapping[str, Mapping], ranks: Sequence[int] = DEF
         lines.append("  ".join([row[0].ljust(widths[0]), *cells]))
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(line.rstrip() for line in lines)
+
+
+def report_reid(results: dict[str, dict], *, json_path: Path | None = None) -> str:
+    """Print the re-id table; write JSON (flat for one target, else keyed by target)."""
+    table = format_reid_table(results)
+    print(table, flush=True)
+    if json_path is not None:
+        payload = next(iter(results.values())) if len(results) == 1 else results
+        write_json(json_path, to_json_dict(payload))
+        log.info("wrote %s", json_path)
+    return table
 
 
 def _unit(x: np.ndarray, name: str) -> np.ndarray:

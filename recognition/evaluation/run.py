@@ -1,5 +1,5 @@
-"""Evaluate a backbone and report: verification targets (pairs files, .bin), re-id ranking,
-embedding export; what evaluate.py and the training's evaluation hook call."""
+"""Evaluate a backbone and report: verification targets (pairs files, .bin), embedding
+export; what evaluate.py and the training's evaluation hook call (re-id is in `reid`)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from recognition.evaluation.embeddings import (
     verify_pairs,
 )
 from recognition.evaluation.plots import plot_roc
-from recognition.evaluation.reid import format_reid_table
 from recognition.evaluation.verification import (
     evaluate_verification,
     format_table,
@@ -240,17 +239,6 @@ def export_folder(
     save_embeddings(out, embeddings, paths)
     log.info("wrote %d embeddings to %s", len(paths), out)
     return len(paths)
-
-
-def report_reid(results: dict[str, dict], *, json_path: Path | None = None) -> str:
-    """Print the re-id table; write JSON (flat for one target, else keyed by target)."""
-    table = format_reid_table(results)
-    print(table, flush=True)
-    if json_path is not None:
-        payload = next(iter(results.values())) if len(results) == 1 else results
-        write_json(json_path, to_json_dict(payload))
-        log.info("wrote %s", json_path)
-    return table
 
 
 # ---------------------------------------------------------------------- during training

@@ -7,16 +7,7 @@ import torch.distributed as dist
 
 from recognition.config import HeadConfig
 from recognition.heads.margin_softmax import ShardedMarginSoftmax, shard_range
-from recognition.heads.margins import (
-    MARGINS,
-    AMSoftmax,
-    ArcFace,
-    CombinedMargin,
-    CosFace,
-    Margin,
-    SphereFace,
-    build_margin,
-)
+from recognition.heads.margins import build_margin
 
 
 def build_head(
@@ -44,16 +35,4 @@ def build_head(
     )
 
 
-__all__ = [
-    "MARGINS",
-    "AMSoftmax",
-    "ArcFace",
-    "CombinedMargin",
-    "CosFace",
-    "Margin",
-    "ShardedMarginSoftmax",
-    "SphereFace",
-    "build_head",
-    "build_margin",
-    "shard_range",
-]
+__all__ = ["ShardedMarginSoftmax", "build_head", "build_margin", "shard_range"]
