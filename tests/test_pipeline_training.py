@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import folder_overrides, make_image_folder
+from helpers import make_image_folder, tiny_run_overrides
 from test_pipeline import free_port
 
 from recognition import checkpoint as ckpt
@@ -39,13 +39,13 @@ def image_folder(tmp_path_factory) -> Path:
 
 
 def overrides(image_folder: Path, out: Path, stages: int, *extra: str) -> list[str]:
-    batch = ["train.batch_size=8"] if stages > 1 else ["train.batch_size=4"]
-    if stages == 1:
-        batch.append("train.accumulate_steps=2")
-    return [
-        *folder_overrides(image_folder, out),
-        "model.width=0.125",
-        "model.embedding_size=16",
+    # Stages split a batch of 8 into micro-batches of 4; one stage accumulates 2 of 4.
+    batch = (
+        ["train.batch_size=8"] if stages > 1 else ["train.batch_size=4", "train.accumulate_steps=2"]
+    )
+    return tiny_run_overrides(
+        image_folder,
+        out,
         f"model.pipeline_stages={stages}",
         "model.micro_batch_size=4",
         *batch,
@@ -53,14 +53,11 @@ def overrides(image_folder: Path, out: Path, stages: int, *extra: str) -> list[s
         f"train.max_steps={NUM_STEPS}",
         f"train.checkpoint_every={RESUME_STEP}",
         "train.keep_checkpoints=5",
-        "train.log_every=1",
-        "train.progress=false",
         "train.timeout_s=120",
         "optim.grad_clip=2.0",
         "optim.warmup_epochs=0.1",
-        "eval.targets=[]",
         *extra,
-    ]
+    )
 
 
 def run(args: list[str]) -> Path:
