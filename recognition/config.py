@@ -94,6 +94,11 @@ class DataConfig:
     channels_last: bool = False
     """Feed the backbone NHWC (channels-last) tensors and convert its weights: faster convs
     on GPUs with tensor cores, especially under O1/O2."""
+    decode: Literal["auto", "cpu", "gpu"] = "auto"
+    """Where images are decoded. cpu: in the DataLoader workers (PIL). gpu: the workers read
+    the encoded bytes only and each batch is decoded on the training GPU (nvJPEG through
+    torchvision.io.decode_jpeg) and augmented there; non-JPEG files are decoded by the
+    workers. auto: gpu when training on a CUDA device and the data holds JPEGs, else cpu."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     @property
@@ -491,6 +496,11 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         if self.head.fused_update:
             check_fused_update(self)
+        if self.data.decode == "gpu" and self.train.device == "cpu":
+            raise ConfigError(
+                "data.decode: gpu decodes on a CUDA device, but train.device=cpu trains on the "
+                "CPU; use data.decode=cpu (or auto)"
+            )
 
     @property
     def eval_image_hw(self) -> tuple[int, int]:

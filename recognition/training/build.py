@@ -9,20 +9,26 @@ and the checkpoints (`Run.checkpoint_parts`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import Sampler
 
 from recognition import distributed
 from recognition.config import ExperimentConfig, config_to_dict, save_config
-from recognition.data.build import build_sampler, build_train_dataset, loader_options
-from recognition.data.sampler import AugmentedView, EpochBatches
+from recognition.data.build import (
+    build_loader,
+    build_sampler,
+    build_train_dataset,
+    resolve_decode,
+)
+from recognition.data.sampler import EpochBatches
 from recognition.data.source import TrainSource
 from recognition.data.synthetic import ensure_synthetic_dataset
 from recognition.distributed import DistInfo
@@ -50,7 +56,9 @@ class Run:
     """The training images (no augmentation); `loader` reads them through AugmentedView."""
     batches: EpochBatches
     """The run's batch order (start_at before iterating `loader`)."""
-    loader: DataLoader
+    loader: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    """The batches as (images, labels): a DataLoader (data.decode=cpu), or batches decoded on
+    the device (gpu, `recognition.data.gpu_decode.DeviceBatches`)."""
     backbone: nn.Module
     """The bare backbone (what checkpoints and exports hold)."""
     model: nn.Module
@@ -109,7 +117,7 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
     Writes config.yaml (and, unless `resuming`, classes.txt: a resumed run's classes are
     checked against its checkpoint first) into the run directory on rank 0.
     """
-    data, sampler = _build_data(cfg, dist_info)
+    data, sampler, decode = _build_data(cfg, dist_info)
     steps_per_epoch = len(sampler) // cfg.train.batch_size // cfg.train.accumulate_steps
     if steps_per_epoch < 1:
         raise TrainingError(
@@ -134,15 +142,18 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
     batches = EpochBatches(
         sampler, cfg.train.batch_size, steps_per_epoch * cfg.train.accumulate_steps
     )
-    loader = DataLoader(
-        AugmentedView(data, flip=cfg.data.flip),
-        batch_sampler=batches,
+    memory_format = torch.channels_last if cfg.data.channels_last else torch.preserve_format
+    loader = build_loader(
+        cfg.data,
+        data,
+        batches,
+        decode=decode,
+        device=dist_info.device,
+        memory_format=memory_format,
         # Its own generator: creating the iterator must not draw from the global RNG, or a
         # run resumed mid-epoch would see different dropout / sampling draws.
         generator=torch.Generator().manual_seed(cfg.seed + dist_info.rank),
-        **loader_options(cfg.data, dist_info.device),
     )
-    memory_format = torch.channels_last if cfg.data.channels_last else torch.preserve_format
     backbone, head = _build_model(cfg, dist_info, data.num_classes, memory_format)
     precision = Precision(
         cfg.precision.level,
@@ -201,7 +212,10 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
     )
 
 
-def _build_data(cfg: ExperimentConfig, dist_info: DistInfo) -> tuple[TrainSource, Sampler]:
+def _build_data(
+    cfg: ExperimentConfig, dist_info: DistInfo
+) -> tuple[TrainSource, Sampler, Literal["cpu", "gpu"]]:
+    """The training source, its sampler, and where its images are decoded (data.decode)."""
     if cfg.data.synthetic.enabled:
         if dist_info.is_main:
             ensure_synthetic_dataset(Path(cfg.data.synthetic.root), cfg.data.synthetic.spec())
@@ -223,7 +237,8 @@ def _build_data(cfg: ExperimentConfig, dist_info: DistInfo) -> tuple[TrainSource
         rank=dist_info.rank,
         seed=cfg.seed,
     )
-    return data, sampler
+    # Before anything is written: data.decode=gpu without a CUDA device stops here.
+    return data, sampler, resolve_decode(cfg.data, dist_info.device, data)
 
 
 def _build_model(
