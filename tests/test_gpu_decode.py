@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader
 
 from recognition.config import ConfigError, DataConfig, load_config
 from recognition.data import gpu_decode, pack
@@ -33,7 +32,6 @@ from recognition.data.gpu_decode import (
 from recognition.data.image_folder import ImageFolderDataset
 from recognition.data.recordio import RecordIODataset
 from recognition.data.sampler import AugmentedView, EpochBatches, ResumableSampler, draw_flip
-from recognition.data.workers import error_message
 from recognition.training import train
 
 SIZE = (32, 32)
@@ -201,17 +199,6 @@ def test_bad_image_error_names_the_file(bad_folder: Path):
     assert str(caught.value).startswith(f"{bad_folder / 'id1' / '3_bogus.jpg'}: cannot decode")
     assert "on_bad_image=skip" in str(caught.value) and "\n" not in str(caught.value)
 
-    # Through DataLoader workers, the message of the entry point is the worker's one line.
-    loader = DataLoader(
-        view, batch_sampler=[[(paths.index("id0/3_truncated.jpg"), 0)]], num_workers=1,
-        collate_fn=collate_encoded,
-    )  # fmt: skip
-    with pytest.raises(ValueError) as caught:
-        next(iter(loader))
-    assert error_message(caught.value).startswith(
-        f"{bad_folder / 'id0' / '3_truncated.jpg'}: cannot decode"
-    )
-
 
 def test_bad_image_skip_substitutes_as_the_cpu_path(bad_folder: Path):
     source = ImageFolderDataset(bad_folder, SIZE, on_bad_image="skip")
@@ -272,6 +259,19 @@ def test_decode_choice(tmp_path: Path, monkeypatch):
     assert choice("auto", cuda) == "cpu"
     with pytest.raises(ConfigError, match=r"^data.decode: gpu, .*not compiled with nvJPEG"):
         choice("gpu", cuda)
+
+
+def test_gpu_without_cuda_stops_at_start_up_naming_the_key(tmp_path: Path, capsys):
+    """train.py data.decode=gpu where the run trains on the CPU: one line, exit 1, nothing
+    written into the run directory."""
+    import train as entry
+
+    data = make_folder(tmp_path / "faces")
+    out = tmp_path / "run"
+    assert entry.main(tiny_run(data, out, "gpu")) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("error: data.decode: gpu decodes JPEGs with nvJPEG on a CUDA")
+    assert not (out / "config.yaml").exists() and not (out / "checkpoints").exists()
 
 
 def test_loader_batches_across_epochs_with_workers(tmp_path: Path):
