@@ -19,9 +19,14 @@ index costs that process (and, copied page by page, each DataLoader worker of it
 
 **Loader**: images/s of a DataLoader (batch 128, 112x112 output, flips) over an image folder
 of real JPEGs (the built-in synthetic faces, `--loader-images` of them) and over the same
-images packed into .rec/.idx, with 0 worker processes (the main process decodes: the rate
-of one worker) and with 1 and 2 workers. One warm-up pass first (page cache), then the
-median of `--repeats` passes.
+images packed into .rec/.idx, with 0 worker processes (the main process reads: the rate
+of one worker) and with 1 and 2 workers, for both kinds of worker (`data.decode`):
+
+    decode (cpu)       the workers decode, resize, flip and normalise (AugmentedView)
+    bytes only (gpu)   the workers read the encoded bytes (EncodedView + collate_encoded);
+                       the GPU decodes them later, which this loader-only figure leaves out
+
+One warm-up pass first (page cache), then the median of `--repeats` passes.
 """
 
 from __future__ import annotations
@@ -139,6 +144,7 @@ def run_loader(work: Path, num_images: int, repeats: int, batch_size: int) -> li
     from torch.utils.data import DataLoader
 
     from recognition.data import pack
+    from recognition.data.gpu_decode import EncodedView, collate_encoded
     from recognition.data.image_folder import ImageFolderDataset
     from recognition.data.recordio import RecordIODataset
     from recognition.data.sampler import AugmentedView, ResumableSampler
@@ -166,33 +172,43 @@ def run_loader(work: Path, num_images: int, repeats: int, batch_size: int) -> li
     torch.set_num_threads(1)
     for name, source in sources.items():
         mean_kib = os.path.getsize(work / "rec" / "train.rec") / len(source) / 1024
-        for workers in (0, 1, 2):
-            sampler = ResumableSampler(len(source), seed=0)
-            loader = DataLoader(
-                AugmentedView(source, flip=True),
-                batch_size=batch_size,
-                sampler=sampler,
-                drop_last=True,
-                num_workers=workers,
-                persistent_workers=workers > 0,
-            )
-            rates = []
-            for epoch in range(repeats + 1):
-                sampler.set_epoch(epoch)
-                start = time.perf_counter()
-                count = sum(len(y) for _, y in loader)
-                if epoch > 0:  # the first pass warms the page cache and starts the workers
-                    rates.append(count / (time.perf_counter() - start))
-            rows.append(
-                {
-                    "source": name,
-                    "workers": workers,
-                    "images_per_sec": statistics.median(rates),
-                    "images": count,
-                    "mean_image_kib": mean_kib,
-                }
-            )
-            del loader
+        kinds = {
+            "decode (cpu)": (AugmentedView(source, flip=True), None),
+            "bytes only (gpu)": (EncodedView(source, flip=True), collate_encoded),
+        }
+        for kind, (view, collate) in kinds.items():
+            for workers in (0, 1, 2):
+                sampler = ResumableSampler(len(source), seed=0)
+                loader = DataLoader(
+                    view,
+                    batch_size=batch_size,
+                    sampler=sampler,
+                    drop_last=True,
+                    num_workers=workers,
+                    persistent_workers=workers > 0,
+                    collate_fn=collate,
+                )
+                rates = []
+                for epoch in range(repeats + 1):
+                    sampler.set_epoch(epoch)
+                    start = time.perf_counter()
+                    # (images, labels) from the decoding workers, an EncodedBatch from the others
+                    count = sum(
+                        len(batch[1] if isinstance(batch, list) else batch) for batch in loader
+                    )
+                    if epoch > 0:  # the first pass warms the page cache and starts the workers
+                        rates.append(count / (time.perf_counter() - start))
+                rows.append(
+                    {
+                        "source": name,
+                        "workers_do": kind,
+                        "workers": workers,
+                        "images_per_sec": statistics.median(rates),
+                        "images": count,
+                        "mean_image_kib": mean_kib,
+                    }
+                )
+                del loader
     return rows
 
 
@@ -245,12 +261,13 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(work)
         results["loader"] = rows
         print(f"\nLoader, 112x112, batch {args.batch_size}, {rows[0]['images']} images per pass")
-        print("| source | worker processes | images/s | images/s per worker |")
-        print("|---|---|---|---|")
+        print("| source | workers do | worker processes | images/s | images/s per worker |")
+        print("|---|---|---|---|---|")
         for r in rows:
             per_worker = r["images_per_sec"] / max(1, r["workers"])
             print(
-                f"| {r['source']} | {r['workers']} | {r['images_per_sec']:.0f} | {per_worker:.0f} |"
+                f"| {r['source']} | {r['workers_do']} | {r['workers']} "
+                f"| {r['images_per_sec']:.0f} | {per_worker:.0f} |"
             )
         print(f"(mean encoded image: {rows[0]['mean_image_kib']:.1f} KiB)")
     if args.json:

@@ -2,6 +2,8 @@
 
     python -m benchmarks.train_throughput --device cuda                   # IResNet-50 and -100
     python -m benchmarks.train_throughput --device cuda --data /data/faces_jpeg /data/ms1m
+    python -m benchmarks.train_throughput --device cuda --data /data/ms1m --decode gpu \\
+        --gpu-decode-workers 4 --no-compile                    # GPU decode only, 4 workers
     python -m benchmarks.train_throughput --device cpu --backbones iresnet18 --batch-size 16 \\
         --image-size 64 --classes 1000 --steps 4 --no-compile        # a smoke run on a laptop
 
@@ -15,12 +17,13 @@ Two kinds of rows, each for every backbone and for compile off and on (`train.co
   time, and `% mm` its share of a plain matmul of the precision's dtype (8192^3 on a GPU,
   smaller on a CPU) timed in the same run. `mem MiB` is `max_memory_allocated` on a GPU
   (model only and end to end) and the peak RSS of the end-to-end run on a CPU.
-- **end to end** (one per --data folder): `train.py` itself, in a fresh process, on that
-  data set (an image folder or a RecordIO folder; `data.format=auto`), --workers loader
-  workers, the median `samples_per_sec` of its logged windows after the first
+- **end to end** (one per --data folder and --decode): `train.py` itself, in a fresh
+  process, on that data set (an image folder or a RecordIO folder; `data.format=auto`), the
+  median `samples_per_sec` of its logged windows after the first
   (`benchmarks.train_scaling.run_one`), and `x model` against the model-only row of the same
-  backbone and compile setting. Decoding runs on the CPU workers (the GPU decode path of
-  issue 13 is not built yet).
+  backbone and compile setting. `data.decode=cpu`: the --workers loader workers decode;
+  `data.decode=gpu`: the --gpu-decode-workers workers read bytes and the GPU decodes
+  (nvJPEG). --decode defaults to both on a GPU and to cpu on a CPU device (gpu needs CUDA).
 
 Everything the step needs is built by the project's own functions from --config (default
 ms1m_arcface: IResNet-50, ArcFace, 93,431 classes, bf16 O1) with the overrides given after
@@ -156,7 +159,7 @@ def measure_end_to_end(
 
 def format_table(rows: list[dict[str, Any]], matmul: float) -> str:
     header = (
-        f"{'backbone':<10} {'compile':>7} {'what':<28} {'images/s':>9} {'x model':>8} "
+        f"{'backbone':<10} {'compile':>7} {'what':<36} {'images/s':>9} {'x model':>8} "
         f"{'TFLOP/s':>8} {'% mm':>6} {'mem MiB':>8}"
     )
     lines = [header, "-" * len(header)]
@@ -165,7 +168,7 @@ def format_table(rows: list[dict[str, Any]], matmul: float) -> str:
         memory = row.get("gpu_memory_mib")
         ratio = row.get("x_model")
         lines.append(
-            f"{row['backbone']:<10} {'on' if row['compile'] else 'off':>7} {row['what']:<28} "
+            f"{row['backbone']:<10} {'on' if row['compile'] else 'off':>7} {row['what']:<36} "
             f"{row['images_per_s']:>9.1f} {'' if ratio is None else f'{ratio:.3f}':>8} "
             f"{'' if tflops is None else f'{tflops:.3g}':>8} "
             f"{'' if tflops is None else f'{100 * tflops / matmul:.1f}':>6} "
@@ -187,12 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true", help="compile off only")
     parser.add_argument("--data", type=Path, nargs="*", default=[], help="end-to-end data sets")
-    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=8, help="loader workers, cpu decode")
+    parser.add_argument("--gpu-decode-workers", type=int, default=4, help="with gpu decode")
+    parser.add_argument(
+        "--decode", nargs="+", choices=["cpu", "gpu"], help="end-to-end data.decode values"
+    )
     parser.add_argument("--e2e-steps", type=int, default=200)
     parser.add_argument("--json", type=Path)
     parser.add_argument("overrides", nargs="*", help="config overrides (after --)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    decodes = args.decode or (["cpu", "gpu"] if device.type == "cuda" else ["cpu"])
     rows: list[dict[str, Any]] = []
     matmul = None
     for backbone in args.backbones:
@@ -218,16 +226,20 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({**base, "what": "model only", **model})
             print(format_table(rows, matmul), flush=True)
             for data in args.data:
-                with tempfile.TemporaryDirectory() as scratch:
-                    e2e = measure_end_to_end(
-                        args.config,
-                        data,
-                        [*overrides, f"data.num_workers={args.workers}"],
-                        args.e2e_steps,
-                        Path(scratch) / "run",
-                    )
-                e2e["x_model"] = e2e["images_per_s"] / model["images_per_s"]
-                rows.append({**base, "what": f"end to end: {data.name}", **e2e})
+                for decode in decodes:
+                    workers = args.workers if decode == "cpu" else args.gpu_decode_workers
+                    with tempfile.TemporaryDirectory() as scratch:
+                        e2e = measure_end_to_end(
+                            args.config,
+                            data,
+                            [*overrides, f"data.num_workers={workers}", f"data.decode={decode}"],
+                            args.e2e_steps,
+                            Path(scratch) / "run",
+                        )
+                    e2e["x_model"] = e2e["images_per_s"] / model["images_per_s"]
+                    e2e.update(decode=decode, workers=workers)
+                    what = f"e2e {data.name}: {decode} decode, {workers} w"
+                    rows.append({**base, "what": what, **e2e})
     print(format_table(rows, matmul))
     if args.json is not None:
         args.json.write_text(

@@ -95,6 +95,11 @@ class DataConfig:
     channels_last: bool = False
     """Feed the backbone NHWC (channels-last) tensors and convert its weights: faster convs
     on GPUs with tensor cores, especially under O1/O2."""
+    decode: Literal["auto", "cpu", "gpu"] = "auto"
+    """Where images are decoded. cpu: in the DataLoader workers (PIL). gpu: the workers read
+    the encoded bytes only and each batch is decoded on the training GPU (nvJPEG through
+    torchvision.io.decode_jpeg) and augmented there; non-JPEG files are decoded by the
+    workers. auto: gpu when training on a CUDA device and the data holds JPEGs, else cpu."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     @property
@@ -517,6 +522,11 @@ class ExperimentConfig:
             check_fused_update(self)
         if self.model.pipeline_stages > 1:
             check_pipeline(self)
+        if self.data.decode == "gpu" and self.train.device == "cpu":
+            raise ConfigError(
+                "data.decode: gpu decodes on a CUDA device, but train.device=cpu trains on the "
+                "CPU; use data.decode=cpu (or auto)"
+            )
 
     @property
     def micro_batches(self) -> int:

@@ -5,24 +5,36 @@
     recordio     root/train.rec + root/train.idx      insightface packs (MS1MV3, Glint360K, ...)
     market1501   root/bounding_box_train/             Market-1501 / DukeMTMC-reID crops
     folder       root/<identity>/<image>              anything else; cached compact index
+
+`data.decode` picks where images are decoded (`resolve_decode`): in the DataLoader workers
+(cpu, `AugmentedView`), or on the GPU, the workers reading bytes only (gpu,
+`recognition.data.gpu_decode`); `build_loader` makes the loader of either.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader, Sampler
 
 from recognition.config import ConfigError, DataConfig
+from recognition.data.gpu_decode import (
+    DeviceBatches,
+    EncodedView,
+    collate_encoded,
+    holds_jpeg,
+    nvjpeg_problem,
+)
 from recognition.data.image_folder import ImageFolderDataset
 from recognition.data.index import open_index
 from recognition.data.market_train import TRAIN_FOLDER, Market1501TrainDataset
 from recognition.data.recordio import RecordIODataset
-from recognition.data.sampler import IdentityBalancedSampler, ResumableSampler
+from recognition.data.sampler import AugmentedView, IdentityBalancedSampler, ResumableSampler
 from recognition.data.source import TrainSource
 from recognition.data.workers import exit_with_parent
 
@@ -135,3 +147,82 @@ def loader_options(data_cfg: DataConfig, device: torch.device) -> dict[str, Any]
         if data_cfg.prefetch_factor is not None:
             options["prefetch_factor"] = data_cfg.prefetch_factor
     return options
+
+
+def resolve_decode(
+    data_cfg: DataConfig, device: torch.device, source: TrainSource
+) -> Literal["cpu", "gpu"]:
+    """Where the images of `source` are decoded when training on `device`: `data.decode`,
+    with `auto` resolved (gpu on a CUDA device that decodes JPEG when `source` holds JPEGs,
+    else cpu).
+
+    Raises ConfigError naming data.decode when it says gpu and `device` cannot decode: not
+    a CUDA device, or a torchvision without nvJPEG.
+    """
+    choice = data_cfg.decode
+    if choice == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        if choice == "gpu":
+            raise ConfigError(
+                f"data.decode: gpu decodes JPEGs with nvJPEG on a CUDA device, but this "
+                f"process trains on {device} (no CUDA device, or train.device=cpu); use "
+                "data.decode=cpu, or auto, which decodes on the CPU workers here"
+            )
+        return "cpu"
+    problem = nvjpeg_problem(device)
+    if problem is not None:
+        if choice == "gpu":
+            raise ConfigError(
+                f"data.decode: gpu, but torchvision cannot decode JPEGs on {device} ({problem}); "
+                "use data.decode=cpu"
+            )
+        log.warning("data.decode=auto: decoding on the CPU workers, not on %s: %s", device, problem)
+        return "cpu"
+    if choice == "auto" and not holds_jpeg(source):
+        log.info(
+            "data.decode=auto: %s holds other images than JPEG; decoding them on the CPU",
+            data_cfg.root,
+        )
+        return "cpu"
+    log.info("decoding JPEGs on %s (data.decode=%s); the loader workers read bytes", device, choice)
+    return "gpu"
+
+
+def build_loader(
+    data_cfg: DataConfig,
+    source: TrainSource,
+    batch_sampler: Sampler,
+    *,
+    decode: Literal["cpu", "gpu"],
+    device: torch.device,
+    memory_format: torch.memory_format = torch.preserve_format,
+    generator: torch.Generator | None = None,
+) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    """The training batches of `source` in the order of `batch_sampler` (batches of
+    `(index, sample_seed)` keys), as ((B, 3, H, W) images, (B,) labels).
+
+    decode=cpu: a DataLoader whose workers decode and augment (`AugmentedView`); the batches
+    are on the host. decode=gpu: the workers read bytes (`EncodedView`) and the batches come
+    decoded and augmented on `device`, in `memory_format` (`DeviceBatches`).
+    """
+    options = loader_options(data_cfg, device)
+    if decode == "cpu":
+        return DataLoader(
+            AugmentedView(source, flip=data_cfg.flip),
+            batch_sampler=batch_sampler,
+            generator=generator,
+            **options,
+        )
+    loader = DataLoader(
+        EncodedView(source, flip=data_cfg.flip),
+        batch_sampler=batch_sampler,
+        collate_fn=collate_encoded,
+        generator=generator,
+        **options,
+    )
+    if memory_format == torch.preserve_format:
+        memory_format = torch.contiguous_format
+    return DeviceBatches(
+        loader, source, device=device, image_size=data_cfg.image_hw, memory_format=memory_format
+    )

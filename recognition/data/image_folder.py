@@ -25,7 +25,7 @@ from recognition.data.index import (
     scan_folder,
 )
 from recognition.data.source import BadImagePolicy, TrainSource
-from recognition.data.transforms import load_rgb
+from recognition.data.transforms import load_rgb, read_encoded
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageFolderDataset", "is_image_file"]
 
@@ -125,3 +125,6 @@ class ImageFolderDataset(TrainSource):
 
     def decode(self, index: int) -> Image.Image:
         return load_rgb(self.root / self.index.relative_path(index))
+
+    def encoded(self, index: int) -> bytes:
+        return read_encoded(self.root / self.index.relative_path(index))

@@ -18,7 +18,7 @@ from PIL import Image
 
 from recognition.data.market1501 import DISTRACTOR_ID, JUNK_ID, list_folder
 from recognition.data.source import BadImagePolicy, TrainSource
-from recognition.data.transforms import load_rgb
+from recognition.data.transforms import load_rgb, read_encoded
 
 TRAIN_FOLDER = "bounding_box_train"
 
@@ -63,3 +63,6 @@ class Market1501TrainDataset(TrainSource):
 
     def decode(self, index: int) -> Image.Image:
         return load_rgb(self.folder / self.paths[index])
+
+    def encoded(self, index: int) -> bytes:
+        return read_encoded(self.folder / self.paths[index])

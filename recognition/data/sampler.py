@@ -59,6 +59,11 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return random.Random(f"{seed}/{epoch}/{index}").getrandbits(63)
 
 
+def draw_flip(sample_seed: int) -> bool:
+    """Whether the sample of `sample_seed` is flipped left-right (probability 0.5)."""
+    return random.Random(sample_seed).random() < 0.5
+
+
 class AugmentedView(Dataset):
     """Wraps a dataset of (CHW image, label) and applies seeded random augmentation.
 
@@ -75,8 +80,7 @@ class AugmentedView(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
         index, seed = key
         image, label = self.base[index]
-        rng = random.Random(seed)
-        if self.flip and rng.random() < 0.5:
+        if self.flip and draw_flip(seed):
             image = image.flip(-1)
         return image, label
 

@@ -3,6 +3,7 @@
 A training source (image folder, RecordIO pack, Market-1501 crops) is a `TrainSource`:
 
     len(source), source[i] -> ((3, H, W) float32 in [-1, 1], label)
+    source.encoded(i)       the sample's encoded bytes (file or record), for `data.decode=gpu`
     source.labels           (N,) int array, for identity-balanced sampling
     source.num_classes
     source.class_name(c)    one name at a time; `write_classes` streams them all to a file
@@ -26,9 +27,9 @@ import hashlib
 import logging
 import multiprocessing
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 BadImagePolicy = Literal["error", "skip"]
 MAX_LOGGED_BAD_IMAGES = 5
 
+T = TypeVar("T")
+
 
 class TrainSource(Dataset):
     """Base of the training sources (see the module docstring).
@@ -50,7 +53,8 @@ class TrainSource(Dataset):
     The constructor takes the data's `root`, the input `image_size` (a side or (H, W)), whether
     to flip at random (`train`) and the bad-image policy. Subclasses set `labels` and
     implement `num_classes`, `class_name`, `describe(index)` (the file or record, for
-    messages) and `decode(index)` (a PIL RGB image, or a ValueError naming the file).
+    messages), `decode(index)` (a PIL RGB image, or a ValueError naming the file) and
+    `encoded(index)` (the encoded bytes that `decode` decodes).
     """
 
     labels: np.ndarray
@@ -88,6 +92,9 @@ class TrainSource(Dataset):
     def decode(self, index: int) -> Image.Image:
         raise NotImplementedError
 
+    def encoded(self, index: int) -> bytes:
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ samples
     def __len__(self) -> int:
         return len(self.labels)
@@ -96,18 +103,26 @@ class TrainSource(Dataset):
         """Sample `index` as ((3, H, W) float32 image in [-1, 1], label)."""
         index = int(index)
         label = int(self.labels[index])
-        try:
-            image = self.decode(index)
-        except ValueError as error:
-            if self.on_bad_image == "error":
-                raise _with_skip_hint(error) from None
-            image = self._substitute(index, label, error)
+        image = self.load_with_policy(index, self.decode)
         tensor = to_input_tensor(image, self.image_size)
         if self.train and torch.rand(()) < 0.5:
             tensor = hflip(tensor)
         return tensor, label
 
-    def _substitute(self, index: int, label: int, error: ValueError) -> Image.Image:
+    def load_with_policy(self, index: int, load: Callable[[int], T]) -> T:
+        """`load(index)` (`decode`, or another reader of the sample) under `on_bad_image`.
+
+        A ValueError from `load` is raised again with the skip hint ("error"), or the sample
+        is replaced by `load` of the next readable image of its identity ("skip").
+        """
+        try:
+            return load(index)
+        except ValueError as error:
+            if self.on_bad_image == "error":
+                raise _with_skip_hint(error) from None
+            return self._substitute(index, int(self.labels[index]), error, load)
+
+    def _substitute(self, index: int, label: int, error: ValueError, load: Callable[[int], T]) -> T:
         with self._bad_images.get_lock():
             self._bad_images.value += 1
             count = self._bad_images.value
@@ -118,7 +133,7 @@ class TrainSource(Dataset):
         for step in range(1, len(members)):
             other = int(members[(position + step) % len(members)])
             try:
-                return self.decode(other)
+                return load(other)
             except ValueError:
                 continue
         raise ValueError(

@@ -74,6 +74,21 @@ def load_rgb(path: str | os.PathLike) -> Image.Image:
     return _decode(path, path)
 
 
+def read_encoded(path: str | os.PathLike) -> bytes:
+    """The bytes of the image file at `path`, undecoded (for decoding on the GPU).
+
+    Errors as `load_rgb`: FileNotFoundError when `path` does not exist, ValueError naming
+    `path` when it cannot be read (a folder, no permission, an I/O error).
+    """
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        raise ValueError(f"{path}: cannot read image ({error.strerror or error})") from error
+
+
 def _decode(source: str | os.PathLike | io.BytesIO, name: str | os.PathLike) -> Image.Image:
     try:
         with Image.open(source) as image:

@@ -9,10 +9,10 @@ and the checkpoints (`Run.checkpoint_parts`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -22,8 +22,13 @@ from torch.utils.data import DataLoader, Sampler
 
 from recognition import distributed
 from recognition.config import ExperimentConfig, config_to_dict, save_config
-from recognition.data.build import build_sampler, build_train_dataset, loader_options
-from recognition.data.sampler import AugmentedView, EpochBatches
+from recognition.data.build import (
+    build_loader,
+    build_sampler,
+    build_train_dataset,
+    resolve_decode,
+)
+from recognition.data.sampler import EpochBatches
 from recognition.data.source import TrainSource
 from recognition.data.synthetic import ensure_synthetic_dataset
 from recognition.distributed import DistInfo
@@ -70,7 +75,9 @@ class Run:
     """The training images (no augmentation); `loader` reads them through AugmentedView."""
     batches: EpochBatches
     """The run's batch order (start_at before iterating `loader`)."""
-    loader: DataLoader
+    loader: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    """The batches as (images, labels): a DataLoader (data.decode=cpu), or batches decoded on
+    the device (gpu, `recognition.data.gpu_decode.DeviceBatches`)."""
     backbone: nn.Module
     """The bare backbone (what checkpoints and exports hold); with a pipeline, this rank's
     stage of it."""
@@ -161,7 +168,7 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
     """
     layout = make_layout(cfg.model.pipeline_stages, dist_info) if _pipelined(cfg) else None
     num_replicas = layout.dp_size if layout is not None else dist_info.world_size
-    data, sampler = _build_data(cfg, dist_info, layout)
+    data, sampler, decode = _build_data(cfg, dist_info, layout)
     steps_per_epoch = len(sampler) // cfg.train.batch_size // cfg.train.accumulate_steps
     if steps_per_epoch < 1:
         raise TrainingError(
@@ -186,8 +193,8 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
     batches = EpochBatches(
         sampler, cfg.train.batch_size, steps_per_epoch * cfg.train.accumulate_steps
     )
-    loader = _build_loader(cfg, dist_info, data, batches, layout)
     memory_format = torch.channels_last if cfg.data.channels_last else torch.preserve_format
+    loader = _build_loader(cfg, dist_info, data, batches, layout, decode, memory_format)
     precision = Precision(
         cfg.precision.level,
         cfg.precision.dtype,
@@ -257,20 +264,25 @@ def _build_loader(
     data: TrainSource,
     batches: EpochBatches,
     layout: PipelineLayout | None,
-) -> DataLoader:
-    options = loader_options(cfg.data, dist_info.device)
-    dataset: Any = AugmentedView(data, flip=cfg.data.flip)
+    decode: Literal["cpu", "gpu"],
+    memory_format: torch.memory_format,
+) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    # Its own generator: creating the iterator must not draw from the global RNG, or a run
+    # resumed mid-epoch would see different dropout / sampling draws.
+    generator = torch.Generator().manual_seed(cfg.seed + dist_info.rank)
     if layout is not None and not layout.is_first:
         # Later stages need the labels alone, and those need no worker to decode anything.
-        dataset = LabelsOnly(data.labels)
-        options = {"num_workers": 0}
-    return DataLoader(
-        dataset,
-        batch_sampler=batches,
-        # Its own generator: creating the iterator must not draw from the global RNG, or a
-        # run resumed mid-epoch would see different dropout / sampling draws.
-        generator=torch.Generator().manual_seed(cfg.seed + dist_info.rank),
-        **options,
+        return DataLoader(
+            LabelsOnly(data.labels), batch_sampler=batches, generator=generator, num_workers=0
+        )
+    return build_loader(
+        cfg.data,
+        data,
+        batches,
+        decode=decode,
+        device=dist_info.device,
+        memory_format=memory_format,
+        generator=generator,
     )
 
 
@@ -292,7 +304,8 @@ def _wrap_model(cfg: ExperimentConfig, dist_info: DistInfo, backbone: nn.Module)
 
 def _build_data(
     cfg: ExperimentConfig, dist_info: DistInfo, layout: PipelineLayout | None
-) -> tuple[TrainSource, Sampler]:
+) -> tuple[TrainSource, Sampler, Literal["cpu", "gpu"]]:
+    """The training source, its sampler, and where its images are decoded (data.decode)."""
     if cfg.data.synthetic.enabled:
         if dist_info.is_main:
             ensure_synthetic_dataset(Path(cfg.data.synthetic.root), cfg.data.synthetic.spec())
@@ -315,7 +328,8 @@ def _build_data(
         rank=layout.dp_rank if layout is not None else dist_info.rank,
         seed=cfg.seed,
     )
-    return data, sampler
+    # Before anything is written: data.decode=gpu without a CUDA device stops here.
+    return data, sampler, resolve_decode(cfg.data, dist_info.device, data)
 
 
 def _build_model(
