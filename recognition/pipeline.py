@@ -18,13 +18,11 @@ seed on every rank, so the pipelined model starts from the same weights whatever
 its parameters keep their unsplit names (`layer3.4.conv1.weight`): a checkpoint of one
 layout resumes in another, P and world size alike.
 
-One step. Every rank of a replica loads the same batch (the stages after the first read
-only its labels, not the images). The batch is split into m micro-batches; the head's loss
-of each is divided by m, so the gradients are those of the batch's mean loss: exactly the
-unpipelined backbone run on the same micro-batches with gradient accumulation. The
-schedule's own gradient scaling is off for that reason (it would not reach the head). The
-step then agrees over the pipeline on the loss (it exists on the last stage only), skips a
-non-finite one on every rank, and clips by the norm over every stage and the whole head.
+One step (`recognition.training.pipeline_step.PipelineStep`). Every rank of a replica
+loads the same batch (the stages after the first read only its labels, not the images).
+The batch is split into m micro-batches; the head's loss of each is divided by m, so the
+gradients are those of the batch's mean loss: exactly the unpipelined backbone run on the
+same micro-batches with gradient accumulation.
 
 Batch normalisation sees micro-batches, not the batch: its statistics are those of B / m
 samples (with model.sync_bn, of B / m on each of the stage's data-parallel ranks), and its
@@ -36,7 +34,6 @@ exact reference.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +42,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 from torch.utils.flop_counter import FlopCounterMode
@@ -55,9 +51,7 @@ from recognition.config import ModelConfig
 from recognition.distributed import DistInfo
 from recognition.models import backbone_from_config
 from recognition.models.units import UnitChain
-from recognition.precision import Precision, StepResult
-
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+from recognition.precision import Precision
 
 
 class PipelineError(ValueError):
@@ -287,146 +281,6 @@ class LabelsOnly(Dataset):
         return torch.zeros(0), int(self.labels[index])
 
 
-# ---------------------------------------------------------------------- the step
-
-
-class PipelineStep:
-    """One optimizer step of a pipelined backbone; called as `train_step` is.
-
-    Args:
-        stage: this rank's stage module (wrapped in DDP over the "dp" group when there are
-            several replicas).
-        layout: the mesh (see `make_layout`).
-        head: the class-sharded head on the last stage's ranks, None elsewhere.
-        num_micro: micro-batches per batch.
-        schedule: "gpipe" or "1f1b".
-        input_meta / output_meta: the stage's micro-batch input and output (`stage_io`).
-        precision: the run's precision level (autocast, loss scaling, step).
-        device: this rank's device.
-    """
-
-    def __init__(
-        self,
-        stage: nn.Module,
-        layout: PipelineLayout,
-        head: nn.Module | None,
-        *,
-        num_micro: int,
-        schedule: str,
-        input_meta: Tensor,
-        output_meta: Tensor,
-        precision: Precision,
-        device: torch.device,
-    ) -> None:
-        self.layout = layout
-        self.head = head
-        self.num_micro = num_micro
-        self.precision = precision
-        self.device = device
-        self.pipeline_stage = PipelineStage(
-            stage,
-            layout.stage,
-            layout.num_stages,
-            device,
-            input_args=input_meta,
-            output_args=output_meta,
-            group=layout.pp_group,
-        )
-        # Every rank gives a loss function (a rank without one would run no backward); only
-        # the last stage calls it. scale_grads=False: the loss is divided by m instead, so
-        # the head's gradient (not a stage parameter) is scaled too.
-        self.schedule = SCHEDULES[schedule](
-            self.pipeline_stage, num_micro, loss_fn=self._loss, scale_grads=False
-        )
-        self._losses: list[Tensor] = []
-        self._accuracies: list[Tensor] = []
-
-    def _loss(self, embeddings: Tensor, labels: Tensor) -> Tensor:
-        assert self.head is not None
-        loss = self.head(embeddings, labels)
-        self._losses.append(loss.detach())
-        accuracy = getattr(self.head, "last_accuracy", None)
-        if accuracy is not None:
-            self._accuracies.append(accuracy.detach())
-        return self.precision.scale_loss(loss / self.num_micro)
-
-    def __call__(
-        self,
-        model: nn.Module,
-        head: nn.Module | None,
-        micro_batches: Sequence[tuple[Tensor, Tensor]],
-        optimizer: torch.optim.Optimizer,
-        precision: Precision,
-        max_grad_norm: float | None,
-    ) -> StepResult:
-        """Run the schedule over the batch (`micro_batches` holds one: the pipeline makes
-        its own micro-batches) and step; the result is the same on every rank."""
-        from recognition.training.step import global_grad_norm
-
-        ((images, labels),) = micro_batches
-        layout = self.layout
-        precision.zero_grad(optimizer)
-        self._losses, self._accuracies = [], []
-        accumulating = (
-            self.head.accumulating()  # type: ignore[union-attr]
-            if self.head is not None and hasattr(self.head, "accumulating")
-            else contextlib.nullcontext()
-        )
-        with precision.autocast(), accumulating:
-            if layout.is_first:
-                self.schedule.step(precision.cast_inputs(images), return_outputs=False)
-            elif layout.is_last:
-                self.schedule.step(target=labels, return_outputs=False)
-            else:
-                self.schedule.step(return_outputs=False)
-        if not layout.is_last:
-            # The loss scaler starts at its first scale(); these ranks scale no loss (their
-            # gradients arrive scaled from the last stage) but unscale in step().
-            precision.scale_loss(torch.zeros((), device=self.device))
-        loss, accuracy, finite = self._agree()
-        if not finite:
-            precision.zero_grad(optimizer)
-            return StepResult(
-                stepped=False,
-                grad_norm=float("nan"),
-                scale=precision.loss_scale(),
-                loss=loss,
-                finite=False,
-            )
-        sharded = [self.head] if self.head is not None else []
-        result = precision.step(
-            optimizer,
-            max_grad_norm,
-            grad_norm_fn=lambda params: global_grad_norm(params, sharded, layout.pp_group),
-        )
-        return StepResult(
-            stepped=result.stepped,
-            grad_norm=float(result.grad_norm),
-            scale=float(result.scale),
-            loss=loss,
-            accuracy=accuracy,
-        )
-
-    def _agree(self) -> tuple[float, float, bool]:
-        """The batch's mean loss and accuracy and whether every loss was finite, on every
-        rank of the pipeline (the last stage has them; the others contribute zeros)."""
-        stats = torch.zeros(3, dtype=torch.float64, device=self.device)
-        if self.layout.is_last:
-            losses = torch.stack(self._losses).double()
-            finite = torch.isfinite(losses)
-            stats[0] = torch.where(finite, losses, 0.0).sum()
-            stats[1] = torch.stack(self._accuracies).double().sum() if self._accuracies else 0.0
-            stats[2] = (~finite).sum()
-        stats = distributed.all_reduce_tensor_sum(stats, self.layout.pp_group).tolist()
-        loss, accuracy, nonfinite = stats
-        has_accuracy = self.head is None or bool(self._accuracies)
-        return (
-            loss / self.num_micro if not nonfinite else float("nan"),
-            accuracy / self.num_micro if has_accuracy else float("nan"),
-            nonfinite == 0,
-        )
-
-
 # ---------------------------------------------------------------------- the whole backbone
 
 
@@ -472,7 +326,6 @@ __all__: list[str] = [
     "LabelsOnly",
     "PipelineError",
     "PipelineLayout",
-    "PipelineStep",
     "build_stage_backbone",
     "describe_stages",
     "gather_backbone",

@@ -11,7 +11,16 @@ PACKAGE = ROOT / "recognition"
 MAX_FUNCTION_LINES = 100
 
 # Lower layers must not import the upper ones.
-LOWER = ("data", "models", "heads", "config.py", "distributed.py", "precision.py", "sharded.py")
+LOWER = (
+    "data",
+    "models",
+    "heads",
+    "config.py",
+    "distributed.py",
+    "precision.py",
+    "sharded.py",
+    "pipeline.py",
+)
 UPPER = ("recognition.evaluation", "recognition.training", "recognition.checkpoint")
 
 

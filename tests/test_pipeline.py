@@ -33,7 +33,6 @@ from recognition.models import backbone_from_config
 from recognition.optim import OptimizerState, build_optimizer, param_groups
 from recognition.pipeline import (
     PipelineError,
-    PipelineStep,
     build_stage_backbone,
     make_layout,
     plan_stages,
@@ -42,6 +41,7 @@ from recognition.pipeline import (
     wrap_stage,
 )
 from recognition.precision import Precision
+from recognition.training.pipeline_step import PipelineStep
 
 IMAGE_HW = (16, 16)
 SEED = 5

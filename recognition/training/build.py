@@ -45,7 +45,6 @@ from recognition.optim import (
 from recognition.pipeline import (
     LabelsOnly,
     PipelineLayout,
-    PipelineStep,
     build_stage_backbone,
     describe_stages,
     gather_backbone,
@@ -55,6 +54,7 @@ from recognition.pipeline import (
     wrap_stage,
 )
 from recognition.precision import Precision, StepResult
+from recognition.training.pipeline_step import PipelineStep
 from recognition.training.state import Progress, RngState
 from recognition.training.step import train_step
 
