@@ -190,6 +190,7 @@ def _pipelined(case: Case, rank: int, world: int, device: torch.device) -> dict[
     from recognition.pipeline import (
         build_stage_backbone,
         make_layout,
+        send_contiguous,
         stage_io,
         wrap_stage,
     )
@@ -200,6 +201,7 @@ def _pipelined(case: Case, rank: int, world: int, device: torch.device) -> dict[
     base = _memory_now(device)
     stage, ranges = build_stage_backbone(cfg, case.image_hw, layout, seed=0)
     stage = stage.to(device, memory_format=_fmt(device))
+    send_contiguous(stage, layout, _fmt(device))
     head = None
     if layout.is_last:
         head = build_head(

@@ -207,6 +207,24 @@ def build_stage_backbone(
     return backbone, ranges
 
 
+def send_contiguous(
+    stage: nn.Module, layout: PipelineLayout, memory_format: torch.memory_format
+) -> None:
+    """Make `stage` pass contiguous activations between ranks and compute in `memory_format`.
+
+    Point-to-point sends take contiguous tensors only, so a channels-last map is made
+    contiguous before it leaves a stage and channels-last again where it arrives (one copy
+    of the activation each way, against a stage's convolutions). Forward hooks: the
+    module's parameters keep their names.
+    """
+    if memory_format == torch.channels_last and not layout.is_first:
+        stage.register_forward_pre_hook(
+            lambda module, args: (args[0].contiguous(memory_format=memory_format), *args[1:])
+        )
+    if not layout.is_last:
+        stage.register_forward_hook(lambda module, args, output: output.contiguous())
+
+
 def describe_stages(
     units: Sequence[str], costs: Sequence[int], ranges: Sequence[tuple[int, int]]
 ) -> str:
@@ -278,7 +296,9 @@ class LabelsOnly(Dataset):
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[Tensor, int]:
         index, _ = key
-        return torch.zeros(0), int(self.labels[index])
+        # An empty image of 3 dimensions: the batch is an empty 4-d tensor, which the loop
+        # moves to the device in any memory format (channels-last needs 4 dimensions).
+        return torch.zeros(0, 0, 0), int(self.labels[index])
 
 
 # ---------------------------------------------------------------------- the whole backbone
@@ -331,6 +351,7 @@ __all__: list[str] = [
     "gather_backbone",
     "make_layout",
     "plan_stages",
+    "send_contiguous",
     "stage_io",
     "unit_costs",
     "wrap_stage",

@@ -49,6 +49,7 @@ from recognition.pipeline import (
     describe_stages,
     gather_backbone,
     make_layout,
+    send_contiguous,
     stage_io,
     unit_costs,
     wrap_stage,
@@ -394,6 +395,7 @@ def _build_pipeline(
             )
         stage = nn.SyncBatchNorm.convert_sync_batchnorm(stage, process_group=layout.dp_group)
     stage = stage.to(device, memory_format=memory_format)
+    send_contiguous(stage, layout, memory_format)
     head = None
     if layout.is_last:
         head = build_head(
