@@ -10,7 +10,8 @@ sharded margin-softmax head as the loss) and for each backbone (the re-id ResNet
 IResNet-50 by default):
 
 - **one device**: the whole model's training step (`recognition.training.train_step`) on one
-  process, with every thread the stages share (on CPU, P x --threads-per-stage);
+  process, with every thread the stages share (on CPU, P x --threads-per-stage, and again
+  with one stage's threads: on a loaded machine more threads can be slower);
 - **P stages, no micro-batches**: model parallelism without a pipeline, one micro-batch (the
   whole batch) through GPipe: only one stage works at a time;
 - **pipelined**: every micro-batch size from 2 to half the batch that divides it, GPipe and
@@ -350,17 +351,20 @@ def cases_for(args: argparse.Namespace, backbone: str) -> list[Case]:
         warmup=args.warmup,
         steps=args.steps,
     )
-    cases = [
-        Case(micro=0, schedule="-", **common),
-        Case(micro=args.batch, schedule="gpipe", **common),
-    ]
+    tps = args.threads_per_stage
+    # One device with the threads of all stages; on a CPU also with one stage's threads (on
+    # a loaded machine more threads can be slower, and the table should show it).
+    cases = [Case(micro=0, schedule="-", threads=tps * args.stages, **common)]
+    if args.device == "cpu" and args.stages > 1:
+        cases.append(Case(micro=0, schedule="-", threads=tps, **common))
+    cases.append(Case(micro=args.batch, schedule="gpipe", threads=tps, **common))
     micro = 2
     while micro < args.batch:
         if args.batch % micro == 0:
             for schedule in args.schedules:
                 if schedule == "1f1b" and args.batch // micro < args.stages:
                     continue
-                cases.append(Case(micro=micro, schedule=schedule, **common))
+                cases.append(Case(micro=micro, schedule=schedule, threads=tps, **common))
         micro *= 2
     return cases
 
@@ -410,8 +414,13 @@ def plot(records: list[dict], path: Path) -> None:
                 ax.plot(*zip(*points, strict=True), marker="o", label=f"pipelined, {schedule}")
         for r in mine:
             if r["kind"] != "pipelined":
-                style = "--" if r["kind"] == "one device" else ":"
-                ax.axhline(1000 * r["step_s"], linestyle=style, color="grey", label=r["kind"])
+                one = r["kind"].startswith("one device")
+                ax.axhline(
+                    1000 * r["step_s"],
+                    linestyle="--" if one else ":",
+                    color=None if one else "black",
+                    label=r["kind"],
+                )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batch size (samples)")
         ax.set_ylabel("time per training step (ms)")
