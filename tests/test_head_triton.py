@@ -91,7 +91,26 @@ def test_fp32_matches_float64_reference_and_torch_path(batch_size, num_classes, 
     assert_close_rel(grad_w, torch_grad_w.double(), 1e-5)
 
 
-def test_deterministic_mode_reduces_without_atomics_and_repeats_bitwise():
+class RecordedKernel:
+    """Wraps a kernel of the module: records each launch's constexpr ATOMIC, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.atomic = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.atomic.append(kwargs["ATOMIC"])
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_deterministic_mode_reduces_without_atomics_and_repeats_bitwise(monkeypatch):
+    # The interpreter runs programs one after another, so atomics give the same bits too:
+    # which reduction ran is told by the kernel's ATOMIC constexpr, recorded at launch.
+    kernels = head_module._triton_kernels()
+    recorded = RecordedKernel(kernels._grad_embeddings_kernel)
+    monkeypatch.setattr(kernels, "_grad_embeddings_kernel", recorded)
     torch.manual_seed(3)
     head = ShardedMarginSoftmax(400, EMBEDDING_SIZE, CosFace(s=16.0), kernel="triton")
     embeddings, labels = make_labels_with_duplicates(400, 33, seed=4)
@@ -102,6 +121,7 @@ def test_deterministic_mode_reduces_without_atomics_and_repeats_bitwise():
         second = run_head(head, embeddings, labels)
     finally:
         torch.use_deterministic_algorithms(False)
+    assert recorded.atomic == [True, False, False]
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
     for a, b in zip(first, atomic, strict=True):
