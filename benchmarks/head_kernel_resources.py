@@ -114,7 +114,8 @@ def launches_for(dim: int, weight_dtype, matmul: str, num_rows: int, num_sms: in
     from recognition.heads.kernels import margin_softmax_triton as kernels
 
     matmul_dtype = getattr(torch, "float32" if matmul == "tf32" else matmul)
-    tiles = kernels.gpu_tiles(dim, num_sms, fma=matmul == "float32")
+    operands = {"float32": "fp32", "tf32": "tf32"}.get(matmul, "half")
+    tiles = kernels.gpu_tiles(dim, num_sms, operands)
     num_classes = 100_003  # not a multiple of any tile
     meta = {"device": "meta"}
     weight = torch.empty(num_classes, dim, dtype=weight_dtype, **meta)

@@ -186,8 +186,10 @@ def test_tile_config_rejects_what_the_compiler_would_refuse():
     with pytest.raises(ValueError, match="TileConfig.epilogue_splits"):
         kernels.TileConfig(good, good, good, epilogue_splits=3)
     for dim in (24, 128, 256, 512, 1024, 4096):  # every GPU default passes its own check
-        for fma in (False, True):
-            kernels.gpu_tiles(dim, 132, fma=fma).check()
+        for operands in kernels.OPERAND_KINDS:
+            kernels.gpu_tiles(dim, 132, operands).check()
+    with pytest.raises(ValueError, match="gpu_tiles: operands"):
+        kernels.gpu_tiles(512, 132, "fp8")
 
 
 def test_chunk_size_is_accepted_and_changes_nothing():

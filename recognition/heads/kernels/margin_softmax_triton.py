@@ -48,16 +48,18 @@ issue's measured 762 TFLOP/s), and the deterministic mode needs the two kernels 
 a step costs 5 N C_local D matmuls (forward 1, each backward kernel 2) where the floor
 without recomputation is 3 (which would keep N x C_local logits).
 
-Tiles (`gpu_tiles`, by D padded to a power of two; `TileConfig` checks them when made). The
-backward's full-width fp32 accumulators, BLOCK_N x D_PAD and D_PAD x BLOCK_C, take most of
-the 255 registers a thread may have, so their tiles narrow as D grows; the forward's tile
-does not depend on D. Chosen from what ptxas reports when the kernels are compiled ahead of
-time for sm_90 (H100) by `python -m benchmarks.head_kernel_resources` (every launch the
-wrappers make: with and without the row index, atomic and deterministic, plain and fused
-with or without momentum, Nesterov and the target rows' share; fp32 weights, N = 1024):
-largest dynamic shared memory in bytes / most registers per thread over those variants,
-with no spill anywhere (the H100 allows 232,448 bytes per block). Operands in bf16 or fp16
-(the same figures), in tf32, and in fp32 without TF32 (`fma`: tl.dot on the CUDA cores):
+Tiles (`gpu_tiles`, by operand kind and D padded to a power of two; `TileConfig` checks
+them when made). The backward's full-width fp32 accumulators, BLOCK_N x D_PAD and D_PAD x
+BLOCK_C, take most of the 255 registers a thread may have, so their tiles narrow as D
+grows; the forward's tile does not depend on D. Chosen from what ptxas reports when the
+kernels are compiled ahead of time for sm_90 (H100) by `python -m
+benchmarks.head_kernel_resources` (every launch the wrappers make: with and without the row
+index, atomic and deterministic, plain and fused with or without momentum, Nesterov and the
+target rows' share; fp32 weights, N = 1024): largest dynamic shared memory in bytes / most
+registers per thread over those variants, with triton 3.8. No variant spills with triton
+3.8 or with 3.6 (torch 2.11; its ptxas allots a few registers more or fewer), and the
+H100 allows 232,448 bytes per block. Operands in bf16 or fp16 (the same figures), in tf32,
+and in fp32 without TF32 (tl.dot on the CUDA cores):
 
     D     kernel           tiles CxNxD, warps, stages      bf16/fp16         tf32
     any   forward          128x128x32 w8 s3                65,536 / 222      98,304 / 210
@@ -68,11 +70,12 @@ with no spill anywhere (the H100 allows 232,448 bytes per block). Operands in bf
     512   grad_embeddings  32x64x64 w8 s2                 131,072 / 255     131,072 / 255
     512   grad_weight      32x64x64 w8 s2, epilogue 4      69,632 / 234     139,264 / 255
     1024  grad_embeddings  16x32x64 w8 s2                  65,536 / 255      67,584 / 255
-    1024  grad_weight      16x32x64 w8 s2, epilogue 4      66,560 / 169     133,120 / 178
+    1024  grad_weight      16x32x64 w8 s2, epilogue 4      66,560 / 169
+                           16x16x64 w8 s2, epilogue 4 (tf32)                 66,560 / 176
 
-    fp32 (fma): forward 64x64x16 w4 s2 (8,192 / 168); grad_embeddings 16x32x32 w8 s2
-    (D <= 512: at most 34,816 / 204), 16x16x32 at D = 1024 (4,096 / 188); grad_weight
-    16x32x32 w8 s2, epilogue 4 (at most 133,120 / 175).
+    fp32: forward 64x64x16 w4 s2 (8,192 / 168); grad_embeddings 16x32x32 w8 s2 (D <= 512:
+    at most 34,816 / 204), 16x16x32 at D = 1024 (4,096 / 188); grad_weight 16x32x32 w8 s2,
+    epilogue 4 (D <= 512: at most 67,584 / 127), 16x16x16 w8 s1 at D = 1024 (66,560 / 179).
 
 Wider tiles spill (e.g. at D = 512: grad_embeddings 64x64 and grad_weight 64x64, 16 to 340
 bytes), and so did the first version of these kernels, which held whole D_PAD-wide operand
@@ -204,33 +207,47 @@ INTERPRETER_TILES = TileConfig(
 )
 
 
-# GPU tiles by padded embedding dimension (see the module docstring for what ptxas reports
-# for them on sm_90). The backward keeps a full-width fp32 accumulator per program - (rows,
-# D) for the embedding gradient, (D, classes) for the weight gradient - so its tiles narrow as
-# D grows; the forward sums over D in BLOCK_D steps and does not depend on it.
+# GPU tiles by operand kind and padded embedding dimension (see the module docstring for
+# what ptxas reports for them on sm_90). The backward keeps a full-width fp32 accumulator per
+# program - (rows, D) for the embedding gradient, (D, classes) for the weight gradient - so
+# its tiles narrow as D grows; the forward sums over D in BLOCK_D steps and does not depend
+# on it. "half": bf16 or fp16 operands, "tf32": fp32 operands on the tensor cores (twice the
+# bytes per operand tile), "fp32": without TF32, tl.dot on the CUDA cores, which needs far
+# more registers.
 _TENSOR_CORE_FORWARD = KernelTiles(block_c=128, block_n=128, block_d=32, num_warps=8, num_stages=3)
-_TENSOR_CORE_BACKWARD = {  # D_PAD: (grad_embeddings, grad_weight, epilogue_splits)
+_HALF_BACKWARD = {  # D_PAD: (grad_embeddings, grad_weight, epilogue_splits)
     128: (KernelTiles(64, 128, 32, 8, 2), KernelTiles(64, 64, 64, 8, 2), 2),
     256: (KernelTiles(64, 64, 64, 8, 2), KernelTiles(64, 64, 32, 8, 2), 4),
     512: (KernelTiles(32, 64, 64, 8, 2), KernelTiles(32, 64, 64, 8, 2), 4),
     1024: (KernelTiles(16, 32, 64, 8, 2), KernelTiles(16, 32, 64, 8, 2), 4),
 }
-# fp32 operands without TF32: tl.dot runs on the CUDA cores and needs far more registers.
-_FMA_FORWARD = KernelTiles(block_c=64, block_n=64, block_d=16, num_warps=4, num_stages=2)
-_FMA_BACKWARD = {
-    128: (KernelTiles(16, 32, 32, 8, 2), KernelTiles(16, 32, 32, 8, 2), 4),
-    256: (KernelTiles(16, 32, 32, 8, 2), KernelTiles(16, 32, 32, 8, 2), 4),
-    512: (KernelTiles(16, 32, 32, 8, 2), KernelTiles(16, 32, 32, 8, 2), 4),
-    1024: (KernelTiles(16, 16, 32, 8, 2), KernelTiles(16, 32, 32, 8, 2), 4),
+_GPU_TILES = {
+    "half": (_TENSOR_CORE_FORWARD, _HALF_BACKWARD),
+    "tf32": (
+        _TENSOR_CORE_FORWARD,
+        {**_HALF_BACKWARD, 1024: (*_HALF_BACKWARD[1024][:1], KernelTiles(16, 16, 64, 8, 2), 4)},
+    ),
+    "fp32": (
+        KernelTiles(block_c=64, block_n=64, block_d=16, num_warps=4, num_stages=2),
+        {
+            128: (KernelTiles(16, 32, 32, 8, 2), KernelTiles(16, 32, 32, 8, 2), 4),
+            256: (KernelTiles(16, 32, 32, 8, 2), KernelTiles(16, 32, 32, 8, 2), 4),
+            512: (KernelTiles(16, 32, 32, 8, 2), KernelTiles(16, 32, 32, 8, 2), 4),
+            1024: (KernelTiles(16, 16, 32, 8, 2), KernelTiles(16, 16, 16, 8, 1), 4),
+        },
+    ),
 }
+OPERAND_KINDS = tuple(_GPU_TILES)
 
 
-def gpu_tiles(dim: int, num_sms: int, *, fma: bool = False) -> TileConfig:
-    """Tiles for embeddings of `dim` on a GPU with `num_sms` SMs; `fma`: fp32 operands
-    without TF32 (tl.dot on the CUDA cores). Embeddings wider than 1024 get the tiles of 1024,
-    with which the backward spills registers on sm_90 (its accumulators are full-width)."""
-    forward, backward = (_FMA_FORWARD, _FMA_BACKWARD) if fma else (
-        _TENSOR_CORE_FORWARD, _TENSOR_CORE_BACKWARD)  # fmt: skip
+def gpu_tiles(dim: int, num_sms: int, operands: str = "half") -> TileConfig:
+    """Tiles for embeddings of `dim` on a GPU with `num_sms` SMs, for `operands` "half" (bf16
+    or fp16), "tf32" or "fp32" (fp32 without TF32). Embeddings wider than 1024 get the tiles
+    of 1024, with which the backward spills registers on sm_90 (its accumulators are
+    full-width)."""
+    if operands not in _GPU_TILES:
+        raise ValueError(f"gpu_tiles: operands must be one of {OPERAND_KINDS}, got {operands!r}")
+    forward, backward = _GPU_TILES[operands]
     grad_embeddings, grad_weight, splits = backward[min(max(padded_dim(dim), 128), 1024)]
     return TileConfig(
         forward=forward,
@@ -246,8 +263,11 @@ def default_tiles(device: torch.device, dim: int, matmul_dtype: torch.dtype) -> 
     if device.type != "cuda":
         return INTERPRETER_TILES
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    fma = _input_precision(matmul_dtype, device) == "ieee" and matmul_dtype == torch.float32
-    return gpu_tiles(dim, num_sms, fma=fma)
+    if matmul_dtype != torch.float32:
+        operands = "half"
+    else:
+        operands = "tf32" if _input_precision(matmul_dtype, device) == "tf32" else "fp32"
+    return gpu_tiles(dim, num_sms, operands)
 
 
 def _input_precision(matmul_dtype: torch.dtype, device: torch.device) -> str:
