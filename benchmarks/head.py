@@ -41,10 +41,13 @@ the next. Per rank it reports:
 CUDA, or runs in Triton's interpreter on CPU for a tiny smoke size), `--fused-update` makes
 its backward apply the SGD step (`head.fused_update`, triton only). 'useful TFLOP/s' is
 6 N D C_rank / step time (the forward and backward matmuls a step needs, whatever is
-recomputed) and '% mm' is that against the plain matmul of the autocast dtype timed in the
-same run. `--max-classes-search` then looks for the largest class count per rank that one
-step of the first sharded method fits in (doubling, then bisection to 1 %, each try a fresh
-process).
+recomputed) and '% mm' is that against a plain matmul of the same size as the head's, timed
+in the same process right after the steps: embeddings (N, D) times class rows (D, C_rank) in
+the matmul dtype (the autocast dtype, else float32), after the head's memory is freed; for
+more columns than a block of output of 1 GiB (256 MiB on CPU) holds, one such block of columns
+is timed and its rate taken. `--max-classes-search` then looks for the largest class count
+per rank that one step of the first sharded method fits in (doubling, then bisection to 1 %,
+each try a fresh process).
 
 Ratios are against `naive` measured in the same run. Weight decay is 0: torch's SGD adds it
 into a new weight-sized tensor at every step, the same for every method, which would hide
@@ -57,6 +60,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import gc
 import json
 import math
 import os
@@ -364,6 +368,16 @@ def run_rank(case: Case, rank: int, rendezvous: str) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
+
+    # ---- the plain matmul of the head's size, once the head's memory is free
+    del step
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    sync()
+    matmul_tflops = plain_matmul_tflops(
+        device, case.autocast, case.batch_size, case.embedding_size, num_rows
+    )
     result = {
         "rank": rank,
         "step_s": statistics.median(times),
@@ -373,6 +387,7 @@ def run_rank(case: Case, rank: int, rendezvous: str) -> dict:
         "bytes_sent_per_step": bytes_sent,
         "collectives_per_step": calls,
         "peak_method": peak_method,
+        "matmul_tflops": matmul_tflops,
     }
     sync()
     if case.world_size > 1:
@@ -380,28 +395,29 @@ def run_rank(case: Case, rank: int, rendezvous: str) -> dict:
     return result
 
 
-def matmul_gflops(device_name: str, threads: int, dtype_name: str | None) -> float:
-    """Achieved GFLOP/s of a plain large matmul on one process with --threads threads."""
+def plain_matmul_tflops(device, dtype_name: str | None, rows: int, dim: int, cols: int) -> float:
+    """Achieved TFLOP/s of (rows, dim) @ (dim, cols) in `dtype_name` (float32 if None): the
+    head's logits matmul without the head. Columns beyond an output block of 1 GiB (256 MiB
+    on CPU) are not allocated: one block of columns is timed and its rate returned."""
     import torch
 
-    torch.set_num_threads(threads)
-    device = torch.device(device_name)
     dtype = getattr(torch, dtype_name) if dtype_name else torch.float32
-    size = 4096 if device.type == "cuda" else 1024
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    a @ b
+    element = torch.empty((), dtype=dtype).element_size()
+    budget = (1 << 30) if device.type == "cuda" else (1 << 28)
+    cols = max(1, min(cols, budget // (rows * element)))
+    a = torch.randn(rows, dim, device=device, dtype=dtype)
+    b = torch.randn(cols, dim, device=device, dtype=dtype).t()  # as F.linear reads the rows
+    out = a @ b
     best = math.inf
     for _ in range(3):
         if device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
-        for _ in range(5):
-            a @ b
+        torch.matmul(a, b, out=out)
         if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) / 5)
-    return 2 * size**3 / best / 1e9
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * rows * dim * cols / best / 1e12
 
 
 # ---------------------------------------------------------------- the driver
@@ -456,6 +472,7 @@ def run_case(case: Case, timeout_s: float) -> dict:
                 other.kill()
             return {**asdict(case), "error": "; ".join(errors)}
     peaks = [r["peak_bytes"] for r in ranks]
+    widest = max(ranks, key=lambda r: r["num_rows"])  # the rank whose size 'useful' counts
     extras = [r["peak_bytes"] - r["floor_bytes"] for r in ranks]
     return {
         **asdict(case),
@@ -469,6 +486,7 @@ def run_case(case: Case, timeout_s: float) -> dict:
         "bytes_sent_per_step_max": max(r["bytes_sent_per_step"] for r in ranks),
         "collectives_per_step": ranks[0]["collectives_per_step"],
         "peak_method": ranks[0]["peak_method"],
+        "matmul_tflops": widest["matmul_tflops"],
         "ranks": ranks,
     }
 
@@ -519,10 +537,10 @@ def _bytes(value: float) -> str:
     return f"{value:.0f} B"
 
 
-def print_table(results: list[dict], reference_gflops: float) -> None:
+def print_table(results: list[dict]) -> None:
     header = (
         f"{'classes':>9} {'method':<16} {'W':>2} {'ms/step':>9} {'x naive':>7} {'GFLOP/s':>8} "
-        f"{'useful TFLOP/s':>14} {'% mm':>5} "
+        f"{'useful TFLOP/s':>14} {'mm TFLOP/s':>10} {'% mm':>5} "
         f"{'peak MiB':>9} {'floor':>7} {'extra':>7} {'x naive':>8} {'max/min':>7} "
         f"{'sent/step':>10}"
     )
@@ -535,7 +553,6 @@ def print_table(results: list[dict], reference_gflops: float) -> None:
             print(f"{name} ERROR: {r['error']}")
             continue
         base = naive.get(r["num_classes"])
-        percent_of_matmul = 100 * r["useful_tflops"] * 1e3 / reference_gflops
         time_ratio = f"{r['step_s'] / base['step_s']:.2f}" if base else "-"
         extra_ratio = (
             f"{r['extra_bytes_max'] / base['extra_bytes_max']:.3f}"
@@ -544,14 +561,16 @@ def print_table(results: list[dict], reference_gflops: float) -> None:
         )
         print(
             f"{name} {r['step_s'] * 1e3:>9,.1f} {time_ratio:>7} {r['gflops']:>8.1f} "
-            f"{r['useful_tflops']:>14.3f} {percent_of_matmul:>5.1f} "
+            f"{r['useful_tflops']:>14.3f} {r['matmul_tflops']:>10.3f} "
+            f"{r['percent_of_matmul']:>5.1f} "
             f"{_mib(r['peak_bytes_max']):>9} {_mib(r['floor_bytes_max']):>7} "
             f"{_mib(r['extra_bytes_max']):>7} {extra_ratio:>8} {r['peak_max_over_min']:>7.2f} "
             f"{_bytes(r['bytes_sent_per_step_max']):>10}"
         )
     print(
-        f"\nreference: a plain square matmul (1024 on CPU, 4096 on CUDA) on one process runs at "
-        f"{reference_gflops:.1f} GFLOP/s. 'peak' is per rank (the largest rank), above the "
+        "\n'mm TFLOP/s': a plain matmul of the head's size, (N, D) x (D, C_rank) in the matmul "
+        "dtype, timed in the same process after the steps; '% mm' = useful TFLOP/s against it. "
+        "'peak' is per rank (the largest rank), above the "
         "process's memory before the case; 'floor' = weight + gradient + momentum of the rank's "
         "classes; 'extra' = peak - floor; 'x naive' of extra compares with naive's extra; "
         "'max/min' = largest / smallest rank peak; 'sent/step' = bytes the busiest rank sends; "
@@ -613,7 +632,6 @@ def main(argv: list[str] | None = None) -> int:
                          args.chunk_size, args.steps, args.warmup, args.threads, args.device,
                          args.autocast, args.kernel, args.fused_update)
                 )  # fmt: skip
-    reference_gflops = matmul_gflops(args.device, args.threads, args.autocast)
     results = []
     for case in cases:
         print(
@@ -623,13 +641,14 @@ def main(argv: list[str] | None = None) -> int:
         if "error" not in result:
             result["gflops"] = head_flops(case) / result["step_s"] / 1e9
             result["useful_tflops"] = useful_tflops(case, result)
+            result["percent_of_matmul"] = 100 * result["useful_tflops"] / result["matmul_tflops"]
         results.append(result)
     print(
         f"head benchmark: global batch {args.batch_size}, embedding {args.embedding_size}, "
         f"chunk {args.chunk_size}, {args.threads} thread(s) per process, device {args.device}, "
         f"{args.steps} timed steps after {args.warmup} warm-up\n"
     )
-    print_table(results, reference_gflops)
+    print_table(results)
     search = None
     sharded = [c for c in cases if c.method.startswith("sharded")]
     if args.max_classes_search and sharded:
@@ -648,7 +667,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         payload = {
             "settings": vars(args) | {"json": str(args.json)},
-            "reference_gflops": reference_gflops,
             "results": results,
             "max_classes_search": search,
         }

@@ -92,7 +92,26 @@ def test_fp32_matches_float64_reference_and_torch_path(batch_size, num_classes, 
     assert_close_rel(grad_w, torch_grad_w.double(), 1e-5)
 
 
-def test_deterministic_mode_reduces_without_atomics_and_repeats_bitwise():
+class RecordedKernel:
+    """Wraps a kernel of the module: records each launch's constexpr ATOMIC, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.atomic = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.atomic.append(kwargs["ATOMIC"])
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_deterministic_mode_reduces_without_atomics_and_repeats_bitwise(monkeypatch):
+    # The interpreter runs programs one after another, so atomics give the same bits too:
+    # which reduction ran is told by the kernel's ATOMIC constexpr, recorded at launch.
+    kernels = head_module._triton_kernels()
+    recorded = RecordedKernel(kernels._grad_embeddings_kernel)
+    monkeypatch.setattr(kernels, "_grad_embeddings_kernel", recorded)
     torch.manual_seed(3)
     head = ShardedMarginSoftmax(400, EMBEDDING_SIZE, CosFace(s=16.0), kernel="triton")
     embeddings, labels = make_labels_with_duplicates(400, 33, seed=4)
@@ -103,6 +122,7 @@ def test_deterministic_mode_reduces_without_atomics_and_repeats_bitwise():
         second = run_head(head, embeddings, labels)
     finally:
         torch.use_deterministic_algorithms(False)
+    assert recorded.atomic == [True, False, False]
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
     for a, b in zip(first, atomic, strict=True):
@@ -112,6 +132,65 @@ def test_deterministic_mode_reduces_without_atomics_and_repeats_bitwise():
     )
     assert_close_rel(first[0], ref_loss, 1e-5)
     assert_close_rel(first[1], ref_grad_e, 1e-5)
+
+
+def gpu_shaped_tiles(*args):
+    """Tiles shaped as on a GPU, small enough for EMBEDDING_SIZE: the dimension summed in two
+    BLOCK_D steps (the second partly padding), the weight-gradient epilogue in pieces (4 asked
+    for; 2 made, as a piece is at least 16 wide)."""
+    kernels = head_module._triton_kernels()
+    tiles = kernels.KernelTiles(block_c=16, block_n=16, block_d=16, num_warps=4, num_stages=2)
+    return kernels.TileConfig(tiles, tiles, tiles, target_programs=6, epilogue_splits=4)
+
+
+@pytest.mark.parametrize("sample_rate", [1.0, 0.3])
+def test_gpu_shaped_tiles_match_torch_path_and_fused_update(sample_rate, monkeypatch):
+    kernels = head_module._triton_kernels()
+    monkeypatch.setattr(kernels, "default_tiles", gpu_shaped_tiles)
+    torch.manual_seed(13)
+    fast, slow = triton_and_torch_heads(129, ArcFace(s=16.0), sample_rate=sample_rate, seed=2)
+    embeddings, labels = make_labels_with_duplicates(129, 33, seed=14)
+    ref_loss, ref_grad_e, ref_grad_w = run_head(slow, embeddings, labels)
+    loss, grad_e, grad_w = run_head(fast, embeddings, labels)
+    assert_close_rel(loss, ref_loss.double(), 1e-6)
+    assert_close_rel(grad_e, ref_grad_e.double(), 1e-5)
+    assert_close_rel(grad_w, ref_grad_w.double(), 1e-5)
+    # The fused update's epilogue, in pieces: one step against torch.optim.SGD.
+    settings = {"lr": 0.5, "momentum": 0.9, "weight_decay": 5e-4, "nesterov": True}
+    fast_opt = torch.optim.SGD(fast.parameters(), **settings)
+    slow_opt = torch.optim.SGD(slow.parameters(), **settings)
+    fast.attach_fused_update(fast_opt)
+    slow.attach_optimizer(slow_opt)
+    initial = fast.weight.detach().clone()
+    for head, opt in ((fast, fast_opt), (slow, slow_opt)):
+        opt.zero_grad(set_to_none=True)
+        head(embeddings, labels).backward()
+        opt.step()
+    moved = (fast.weight - initial).detach().double()
+    assert_close_rel(moved, (slow.weight - initial).detach().double(), 1e-5)
+
+
+def test_tile_config_rejects_what_the_compiler_would_refuse():
+    kernels = head_module._triton_kernels()
+    good = kernels.KernelTiles(block_c=32, block_n=64, block_d=64, num_warps=8, num_stages=2)
+    kernels.TileConfig(good, good, good)
+    bad = [
+        ({"block_c": 48}, "TileConfig.grad_weight.block_c: must be a power of two >= 16"),
+        ({"block_d": 8}, "TileConfig.grad_weight.block_d: must be a power of two >= 16"),
+        ({"num_warps": 3}, "TileConfig.grad_weight.num_warps"),
+        ({"num_stages": 0}, "TileConfig.grad_weight.num_stages"),
+    ]
+    for change, message in bad:
+        tiles = kernels.KernelTiles(**{**good.__dict__, **change})
+        with pytest.raises(ValueError, match=message):
+            kernels.TileConfig(good, good, tiles)
+    with pytest.raises(ValueError, match="TileConfig.epilogue_splits"):
+        kernels.TileConfig(good, good, good, epilogue_splits=3)
+    for dim in (24, 128, 256, 512, 1024, 4096):  # every GPU default passes its own check
+        for operands in kernels.OPERAND_KINDS:
+            kernels.gpu_tiles(dim, 132, operands).check()
+    with pytest.raises(ValueError, match="gpu_tiles: operands"):
+        kernels.gpu_tiles(512, 132, "fp8")
 
 
 def test_chunk_size_is_accepted_and_changes_nothing():

@@ -351,7 +351,9 @@ class _TritonClassStats(torch.autograd.Function):
             target_cos = torch.where(owned, (norm_embeddings * target_rows).sum(dim=1), 0.0)
             target_pos = _target_positions(row_index, target_row, owned)
             inv_norm = kernels.inverse_norms(weight, row_index, _norm_eps(weight.dtype))  # (K,)
-            tiles = kernels.default_tiles(norm_embeddings.device)
+            tiles = kernels.default_tiles(
+                norm_embeddings.device, norm_embeddings.shape[1], matmul_dtype
+            )
             row_max, row_sumexp = kernels.class_stats(
                 norm_embeddings, weight, row_index, inv_norm, target_pos, scale, matmul_dtype,
                 tiles,

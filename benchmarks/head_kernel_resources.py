@@ -1,0 +1,323 @@
+"""What the head's Triton kernels need on a GPU, from ptxas, without a GPU.
+
+    python -m benchmarks.head_kernel_resources                  # D = 128 256 512 1024, sm_90
+    python -m benchmarks.head_kernel_resources --dims 512 --matmul-dtypes bfloat16 --json r.json
+
+Every kernel variant that the host wrappers of heads/kernels/margin_softmax_triton.py launch
+(forward; embedding gradient with atomics or deterministic; weight gradient plain or with
+the fused SGD update, with and without momentum, Nesterov and the target rows' share; each
+with and without the partial-FC row index) is compiled ahead of time for the target GPU by
+Triton's own compiler and the ptxas it ships, at the default tiles (`gpu_tiles`), with the
+arguments the wrappers would pass: the wrappers are run on meta tensors with the kernel
+launches recorded instead of made. For each variant it prints the dynamic shared memory
+(what Triton checks at launch against the block's limit: 232,448 bytes on an H100), the
+registers per thread and the spill stores / loads that ptxas reports.
+
+Arguments are specialised as Triton's launcher does: pointers 16-byte aligned, integers
+divisible by 16 marked so (the embedding size and strides, with --rows a multiple of 16),
+an integer equal to 1 made a constant. The kernels are compiled with TRITON_INTERPRET
+unset, in this process: run it as a script, not from a process that runs them interpreted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+H100_SHARED_BYTES = 232_448  # opt-in shared memory per block on sm_90
+DTYPES = {"float32": "fp32", "tf32": "tf32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass
+class Launch:
+    """One recorded kernel launch: the JIT function, its arguments, constexprs and options."""
+
+    kernel: object
+    args: tuple
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+
+    @property
+    def name(self) -> str:
+        name = self.kernel.__name__.strip("_").removesuffix("_kernel")
+        flags = [k.lower() for k in ("HAS_INDEX", "ATOMIC", "FUSED", "HAS_MOMENTUM", "NESTEROV",
+                                     "HAS_EXTRA") if self.constexprs.get(k)]  # fmt: skip
+        if "ATOMIC" in self.constexprs and not self.constexprs["ATOMIC"]:
+            flags.append("deterministic")
+        return " ".join([name, *flags])
+
+
+@dataclass
+class Resources:
+    """What ptxas reports for one kernel variant of one configuration."""
+
+    dim: int
+    weight_dtype: str
+    matmul: str
+    variant: str
+    tiles: str
+    shared_bytes: int
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    compile_s: float
+
+    @property
+    def ok(self) -> bool:
+        spills = self.spill_stores + self.spill_loads
+        return self.shared_bytes <= H100_SHARED_BYTES and spills == 0
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **kwargs)` records a Launch."""
+
+    def __init__(self, kernel, launches: list[Launch]) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def record(*args, num_warps: int, num_stages: int, **constexprs):
+            self.launches.append(Launch(self.kernel, args, constexprs, num_warps, num_stages))
+
+        return record
+
+
+@contextlib.contextmanager
+def recorded_launches(kernels):
+    """Within the block, the module's kernel launches are recorded into the list yielded."""
+    names = ("_forward_kernel", "_grad_embeddings_kernel", "_grad_weight_kernel")
+    originals = {name: getattr(kernels, name) for name in names}
+    launches: list[Launch] = []
+    for name, kernel in originals.items():
+        setattr(kernels, name, _Recorder(kernel, launches))
+    try:
+        yield launches
+    finally:
+        for name, kernel in originals.items():
+            setattr(kernels, name, kernel)
+
+
+def launches_for(dim: int, weight_dtype, matmul: str, num_rows: int, num_sms: int) -> list[Launch]:
+    """Every distinct launch of the host wrappers for this configuration (meta tensors);
+    `matmul` one of DTYPES (tf32: float32 operands with TF32 allowed)."""
+    import torch
+
+    from recognition.heads.kernels import margin_softmax_triton as kernels
+
+    matmul_dtype = getattr(torch, "float32" if matmul == "tf32" else matmul)
+    operands = {"float32": "fp32", "tf32": "tf32"}.get(matmul, "half")
+    tiles = kernels.gpu_tiles(dim, num_sms, operands)
+    num_classes = 100_003  # not a multiple of any tile
+    meta = {"device": "meta"}
+    weight = torch.empty(num_classes, dim, dtype=weight_dtype, **meta)
+    embeddings = torch.empty(num_rows, dim, **meta)
+    target_pos = torch.empty(num_rows, dtype=torch.int64, **meta)
+    row_max = torch.empty(num_rows, **meta)
+    index = torch.empty(num_classes // 3, dtype=torch.int64, **meta)
+    target_rows = torch.empty(num_rows // 2, dtype=torch.int64, **meta)
+    target_grad = (target_rows, torch.empty(num_rows // 2, dim, **meta))
+    no_target_grad = (target_rows[:0], target_grad[1][:0])
+    buffer = torch.empty(num_classes, dim, **meta)
+
+    def sgd(momentum: float, nesterov: bool):
+        buf = buffer if momentum else None
+        return kernels.SGDUpdate(0.1, momentum, 5e-4, nesterov, buf)
+
+    updates = [(None, None), (sgd(0.0, False), target_grad), (sgd(0.9, False), target_grad),
+               (sgd(0.9, True), target_grad), (sgd(0.9, False), no_target_grad)]  # fmt: skip
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    with recorded_launches(kernels) as launches:
+        try:
+            for row_index in (None, index):
+                num_taking_part = num_classes if row_index is None else row_index.numel()
+                inv_norm = torch.empty(num_taking_part, **meta)
+                common = (embeddings, weight, row_index, inv_norm, target_pos)
+                kernels.class_stats(*common, 64.0, matmul_dtype, tiles)
+                for ordered in (False, True):
+                    torch.use_deterministic_algorithms(ordered)
+                    for update, extra in updates:
+                        kernels.class_stats_backward(
+                            *common, row_max, row_max, 64.0, matmul_dtype, tiles,
+                            target_grad=extra, sgd=update,
+                        )  # fmt: skip
+        finally:
+            torch.use_deterministic_algorithms(deterministic)
+    distinct: dict[str, Launch] = {}
+    for launch in launches:
+        if matmul == "tf32":  # what the wrappers choose on a GPU with TF32 allowed
+            launch.constexprs["INPUT_PRECISION"] = "tf32"
+        distinct.setdefault(launch.name, launch)
+    return list(distinct.values())
+
+
+def _specialise(launch: Launch):
+    """Signature, constexprs and attributes as Triton's launcher would make them."""
+    import torch
+    import triton.language as tl
+
+    pointer_types = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
+                     torch.int64: "*i64", torch.int32: "*i32"}  # fmt: skip
+    fn = launch.kernel
+    params = [p for p in fn.params if not p.is_constexpr]
+    signature, constexprs, attrs = {}, {}, {}
+    for position, (param, value) in enumerate(zip(params, launch.args, strict=True)):
+        index = fn.arg_names.index(param.name)
+        if isinstance(value, torch.Tensor):
+            signature[param.name] = pointer_types[value.dtype]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            if value == 1:  # the launcher turns it into a constant
+                signature[param.name] = "constexpr"
+                constexprs[(index,)] = 1
+                continue
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {position} of type {type(value).__name__}")
+    for name, value in launch.constexprs.items():
+        signature[name] = "constexpr"
+        constexprs[(fn.arg_names.index(name),)] = value
+    assert all(isinstance(v, (bool, int, str, tl.dtype)) for v in constexprs.values())
+    return signature, constexprs, attrs
+
+
+_PTXAS_USED = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def compile_launch(launch: Launch, capability: int) -> dict:
+    """Compile one launch for sm_<capability>: shared bytes, registers, spill stores/loads."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs, attrs = _specialise(launch)
+    source = ASTSource(launch.kernel, signature, constexprs, attrs)
+    log = io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(log):  # TRITON_DUMP_PTXAS_LOG prints ptxas -v's report
+        compiled = triton.compile(
+            source,
+            target=GPUTarget("cuda", capability, 32),
+            options={"num_warps": launch.num_warps, "num_stages": launch.num_stages},
+        )
+    elapsed = time.perf_counter() - start
+    text = log.getvalue()
+    used, spills = _PTXAS_USED.search(text), _PTXAS_SPILLS.search(text)
+    if used is None or spills is None:
+        raise RuntimeError(f"{launch.name}: no ptxas report in the compiler's output:\n{text}")
+    return {
+        "shared_bytes": int(compiled.metadata.shared),
+        "registers": int(used.group(1)),
+        "spill_stores": int(spills.group(1)),
+        "spill_loads": int(spills.group(2)),
+        "compile_s": elapsed,
+    }
+
+
+def measure(
+    dims: list[int],
+    weight_dtypes: list[str],
+    matmul_dtypes: list[str],
+    *,
+    capability: int = 90,
+    num_rows: int = 1024,
+    num_sms: int = 132,
+    variants: list[str] | None = None,
+) -> list[Resources]:
+    """Resources of every kernel variant (or those named in `variants`) per configuration."""
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("triton was imported to interpret kernels: run this in a new process")
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+    # A cache of its own, so that ptxas runs and reports (a cache hit skips it).
+    with tempfile.TemporaryDirectory(prefix="head-kernel-resources-") as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        return _measure(dims, weight_dtypes, matmul_dtypes, capability, num_rows, num_sms, variants)
+
+
+def _measure(dims, weight_dtypes, matmul_dtypes, capability, num_rows, num_sms, variants):
+    import torch
+
+    results = []
+    for dim in dims:
+        for weight_name in weight_dtypes:
+            for matmul_name in matmul_dtypes:
+                weight_dtype = getattr(torch, weight_name)
+                for launch in launches_for(dim, weight_dtype, matmul_name, num_rows, num_sms):
+                    if variants is not None and launch.name not in variants:
+                        continue
+                    c = launch.constexprs
+                    tiles = (
+                        f"{c['BLOCK_C']}x{c['BLOCK_N']}x{c['BLOCK_D']} "
+                        f"w{launch.num_warps} s{launch.num_stages}"
+                    )
+                    if "EPILOGUE_SPLITS" in c:
+                        tiles += f" e{c['EPILOGUE_SPLITS']}"
+                    results.append(
+                        Resources(
+                            dim, DTYPES[weight_name], DTYPES[matmul_name], launch.name, tiles,
+                            **compile_launch(launch, capability),
+                        )
+                    )  # fmt: skip
+    return results
+
+
+def print_table(results: list[Resources]) -> None:
+    header = (
+        f"{'D':>5} {'weight':>6} {'matmul':>6} {'kernel variant':<44} {'tiles CxNxD':<21} "
+        f"{'shared B':>9} {'regs':>4} {'spill st/ld':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        mark = "" if r.ok else "  <-- over the limit" if r.spill_stores == 0 else "  <-- spills"
+        print(
+            f"{r.dim:>5} {r.weight_dtype:>6} {r.matmul:>6} {r.variant:<44} {r.tiles:<21} "
+            f"{r.shared_bytes:>9,} {r.registers:>4} {r.spill_stores:>5}/{r.spill_loads:<5}{mark}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", type=int, nargs="+", default=[128, 256, 512, 1024])
+    parser.add_argument(
+        "--weight-dtypes", nargs="+", default=["float32"],
+        choices=["float32", "bfloat16", "float16"],
+    )  # fmt: skip
+    parser.add_argument(
+        "--matmul-dtypes", nargs="+", default=["bfloat16", "float16", "tf32", "float32"],
+        choices=list(DTYPES),
+    )  # fmt: skip
+    parser.add_argument("--variants", nargs="+", default=None, help="only these kernel variants")
+    parser.add_argument("--capability", type=int, default=90, help="compute capability (90: H100)")
+    parser.add_argument("--rows", type=int, default=1024, help="global batch N")
+    parser.add_argument("--sms", type=int, default=132, help="SMs of the GPU (grid sizes)")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    results = measure(
+        args.dims, args.weight_dtypes, args.matmul_dtypes, capability=args.capability,
+        num_rows=args.rows, num_sms=args.sms, variants=args.variants,
+    )  # fmt: skip
+    print_table(results)
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(r) | {"ok": r.ok} for r in results], indent=2))
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The head's Triton kernels compiled ahead of time for an H100 (sm_90), without a GPU.
+
+benchmarks/head_kernel_resources.py compiles the launches that the host wrappers of
+heads/kernels/margin_softmax_triton.py make, with Triton's own compiler and the ptxas it
+ships, and reads what ptxas reports. Here: D = 512, fp32 weights, bf16 operands (the
+README's benchmark settings) at the default tiles. Every kernel must fit the H100's shared
+memory per block (232,448 bytes; more fails to launch with OutOfResources) and spill no
+registers. The interpreter tests (test_head_triton.py) cannot see either.
+
+It runs in a subprocess: this suite interprets the kernels (TRITON_INTERPRET=1, set by
+conftest.py before triton is imported), and a process does one or the other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+H100_SHARED_BYTES = 232_448
+
+# Every launch the wrappers make: each kernel with and without the partial-FC row index; the
+# embedding gradient reduced with atomics or deterministically; the weight gradient plain or
+# with the fused update (momentum, Nesterov, the target rows' share).
+GRAD_WEIGHT = ["", " fused has_extra", " fused has_momentum", " fused has_momentum has_extra",
+               " fused has_momentum nesterov has_extra"]  # fmt: skip
+VARIANTS = [
+    name
+    for index in ("", " has_index")
+    for name in [
+        f"forward{index}",
+        f"grad_embeddings{index} atomic",
+        f"grad_embeddings{index} deterministic",
+        *(f"grad_weight{index}{update}" for update in GRAD_WEIGHT),
+    ]
+]
+
+
+def test_default_tiles_compile_for_h100_within_its_limits(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    report = tmp_path / "resources.json"
+    command = [
+        sys.executable, "-m", "benchmarks.head_kernel_resources", "--dims", "512",
+        "--matmul-dtypes", "bfloat16", "--json", str(report),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert report.exists(), f"no report:\n{done.stdout}\n{done.stderr}"
+    results = json.loads(report.read_text())
+    assert sorted(r["variant"] for r in results) == sorted(VARIANTS)
+    for r in results:
+        where = f"{r['variant']} ({r['tiles']}): {r}"
+        assert r["shared_bytes"] <= H100_SHARED_BYTES, where
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, where
+        assert 0 < r["registers"] <= 255, where
+    assert done.returncode == 0, done.stdout
