@@ -22,9 +22,18 @@ Choices made here and why:
 - O2 accumulates gradients in the half model's `.grad` (which is where DDP all-reduces them)
   and copies them into the fp32 masters' `.grad` once, in `step()`. The fp32 parameters of O2
   (BatchNorm) are their own masters: no copy is made for them.
-- `step()` skips the update at every level when the gradient norm is not finite, so NaNs
-  never reach the weights; with a scaler the scale also halves. The caller sees it in
-  `StepResult.stepped`.
+- `step()` skips the update at every level when the gradient norm (or the loss, when the
+  caller passes its finiteness) is not finite, so NaNs never reach the weights; with a scaler
+  the scale also halves. The skip is decided on the device, without a host read: a fused
+  optimizer (`torch.optim.SGD`/`AdamW` with `fused=True`, as `recognition.optim` builds them)
+  is handed the flag as its `found_inf` and leaves every parameter and every state tensor
+  (momentum, Adam's moments and step count) as it was; fused SGD gets zero momentum buffers
+  before its first step, since on a skipped first step it would keep uninitialised ones. The
+  caller sees the flag in `StepResult.stepped`, a device tensor. Another optimizer is stepped
+  or not by a host read of the flag: one sync per step.
+- fp16 loss scaling goes through GradScaler's `unscale_` and `update` only (neither syncs on
+  a GPU); the update is the optimizer's own, masked as above, instead of `GradScaler.step`,
+  which reads found-inf on the host unless the optimizer is fused.
 
 Order of calls: move the modules to the device, `prepare(*modules)`, wrap in DDP, build the
 optimizer from `param_groups(groups)`; per step `with autocast():` forward on
@@ -35,7 +44,6 @@ optimizer from `param_groups(groups)`; per step `with autocast():` forward on
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -53,27 +61,32 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one optimizer step did.
+    """What one optimizer step did, as 0-dim tensors on the step's device.
 
-    `Precision.step()` fills the first three; the training step (`recognition.training.step`)
-    adds the loss and accuracy of its micro-batches.
+    Nothing here has been read on the host: a training step launches no synchronisation,
+    and whoever needs a value (the log window, at its interval) reads it then. `Precision.step()`
+    fills the first three; the training step (`recognition.training.step`) adds the loss,
+    whether it was finite and the accuracy of its micro-batches.
 
-    stepped: False when the gradients held inf/NaN (or the loss did) and the update was
-        skipped.
-    grad_norm: total L2 norm of the unscaled gradients before clipping (inf/NaN when skipped).
-    scale: the loss scale after this step's update (1.0 when no scaler is used).
-    loss: mean loss over the step's micro-batches (not divided by their number).
-    finite: False when a micro-batch's loss was NaN or inf: nothing was applied.
+    stepped: bool; False when the loss or the gradients held inf/NaN and the update was
+        skipped (no weight and no optimizer state changed).
+    grad_norm: total L2 norm of the unscaled gradients before clipping (inf/NaN when they
+        held inf/NaN); float32 or float64.
+    scale: float32, the loss scale after this step's update (1.0 when no scaler is used).
+    loss: mean loss over the step's micro-batches (not divided by their number); None when
+        the caller knows no loss.
+    finite: bool; False when a micro-batch's loss was NaN or inf (the step was then skipped);
+        None when the caller knows no loss.
     accuracy: share of the global batch whose target logit was the largest (mean over
-        micro-batches), NaN when the head reports none.
+        micro-batches); None when the head reports none.
     """
 
-    stepped: bool
-    grad_norm: float
-    scale: float
-    loss: float = float("nan")
-    finite: bool = True
-    accuracy: float = float("nan")
+    stepped: Tensor
+    grad_norm: Tensor
+    scale: Tensor
+    loss: Tensor | None = None
+    finite: Tensor | None = None
+    accuracy: Tensor | None = None
 
 
 class Precision:
@@ -146,6 +159,9 @@ class Precision:
         self._masters: dict[str, nn.Parameter] = {}
         self._num_modules = 0
         self._checked_optimizers: set[int] = set()
+        # Fused optimizers ready to skip steps on the device (see _skips_on_device).
+        self._device_skipping: dict[int, bool] = {}
+        self._unit_scale = torch.ones((), dtype=torch.float32, device=device)
 
     # ---------------------------------------------------------------- setup
 
@@ -243,16 +259,21 @@ class Precision:
         self,
         optimizer: torch.optim.Optimizer,
         max_grad_norm: float | None = None,
-        grad_norm_fn: Callable[[list[Tensor]], float] | None = None,
+        grad_norm_fn: Callable[[list[Tensor]], Tensor] | None = None,
+        *,
+        finite: Tensor | None = None,
     ) -> StepResult:
-        """Unscale, clip, and apply the accumulated gradients; skip on inf/NaN.
+        """Unscale, clip, and apply the accumulated gradients; skip on inf/NaN, on the device.
 
         Under O2 the half gradients are first copied into the fp32 masters, and after the
         update the masters are copied back into the half model. `max_grad_norm` clips the
         total L2 norm of the unscaled gradients the optimizer sees. `grad_norm_fn` computes
-        that norm from the optimizer's parameters (their `.grad`); the default is the local
-        norm, and a model whose gradients are sharded over ranks passes one that combines the
-        ranks' parts, so that every rank clips and skips alike. Gradients are left in place;
+        that norm (a 0-dim tensor) from the optimizer's parameters (their `.grad`); the
+        default is the local norm, and a model whose gradients are sharded over ranks passes
+        one that combines the ranks' parts, so that every rank clips and skips alike.
+        `finite` (a 0-dim bool tensor, the same on every rank) is whether the loss was finite:
+        False skips the update too. Nothing is read on the host when the optimizer is fused
+        (see the module docstring). Gradients are left in place;
         call `zero_grad()` next.
         """
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -261,34 +282,59 @@ class Precision:
         if self.level == "O2":
             self._model_grads_to_masters()
         if self.scaler is not None:
-            # Divides the grads the optimizer owns by the scale and records whether any is
-            # inf/NaN; scaler.step() below then skips the update on its own.
+            # Divides the grads the optimizer owns by the scale and records, on the device,
+            # whether any is inf/NaN (update() below backs the scale off on it).
             self.scaler.unscale_(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        grad_norm = _total_grad_norm(params) if grad_norm_fn is None else grad_norm_fn(params)
-        stepped = math.isfinite(grad_norm)
-        if stepped:
-            if max_grad_norm is not None:
-                torch.nn.utils.clip_grads_with_norm_(
-                    params, max_grad_norm, torch.tensor(grad_norm, device=self.device)
-                )
-            if self.scaler is not None:
-                self.scaler.step(optimizer)
-            else:
-                optimizer.step()
-        scale = 1.0
+        if grad_norm_fn is None:
+            grad_norm = _total_grad_norm(params, self.device)
+        else:
+            grad_norm = grad_norm_fn(params)
+        ok = torch.isfinite(grad_norm)
+        if finite is not None:
+            ok = ok & finite.to(ok.device)
+        if max_grad_norm is not None:
+            # A norm that is not finite turns the gradients into NaN here; the update that
+            # would apply them is skipped. The norm goes in as float32, as it always has.
+            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, grad_norm.to(torch.float32))
+        self._apply(optimizer, ok)
+        scale = self._unit_scale
         if self.scaler is not None:
             self.scaler.update()
-            scale = float(self.scaler.get_scale())
-        if stepped and self.level == "O2":
+            # get_scale() would read the scale on the host; this is the tensor itself, cloned
+            # since the scaler updates it in place.
+            scale = self.scaler._get_scale_async().clone()
+        if self.level == "O2":
+            # After a skipped update the masters hold what the model already holds.
             self._masters_to_model()
-        return StepResult(stepped=stepped, grad_norm=grad_norm, scale=scale)
+        return StepResult(stepped=ok, grad_norm=grad_norm, scale=scale)
 
-    def loss_scale(self) -> float:
-        """The current fp16 loss scale (1.0 when no scaler is used)."""
-        if self.scaler is None or not self.scaler.is_enabled():
-            return 1.0
-        return float(self.scaler.get_scale())
+    def _apply(self, optimizer: torch.optim.Optimizer, ok: Tensor) -> None:
+        """`optimizer.step()` where `ok` (a 0-dim bool tensor) is True; where it is False no
+        parameter and no optimizer state changes."""
+        if self._skips_on_device(optimizer):
+            # Fused kernels take GradScaler's two attributes: with found_inf = 1 they return
+            # before touching anything, and fused Adam(W) takes its step count back. No
+            # grad_scale: the gradients are already unscaled.
+            optimizer.found_inf = (~ok).to(torch.float32)  # type: ignore[attr-defined]
+            optimizer.grad_scale = None  # type: ignore[attr-defined]
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
+        elif bool(ok):  # an optimizer that cannot skip on the device: one host read
+            optimizer.step()
+
+    def _skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `optimizer` can be handed a skip flag (a fused torch optimizer), making
+        the state that a skipped first step would otherwise leave undefined (once)."""
+        key = id(optimizer)
+        if key not in self._device_skipping:
+            ready = getattr(optimizer, "_step_supports_amp_scaling", False)
+            if ready and isinstance(optimizer, torch.optim.SGD):
+                ready = _zero_momentum_buffers(optimizer)
+            self._device_skipping[key] = ready
+        return self._device_skipping[key]
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Drop the gradients of the optimizer's parameters and of the prepared model."""
@@ -474,20 +520,42 @@ def master_weights(state: dict, module_index: int) -> dict[str, Tensor]:
     }
 
 
+@torch.no_grad()
+def _zero_momentum_buffers(optimizer: torch.optim.SGD) -> bool:
+    """Give every parameter of a fused SGD a zero momentum buffer where it has none yet.
+
+    Fused SGD makes its buffers on its first step with `torch.empty_like` and fills them in
+    the kernel, which `found_inf` skips: a skipped first step would leave uninitialised
+    memory as momentum. A zero buffer is what the first step's buffer amounts to (the next
+    step sets it to 0 * momentum + grad = grad, bit for bit) when dampening is 0; with
+    dampening it is not, and False says the optimizer must be stepped from the host.
+    """
+    groups = [g for g in optimizer.param_groups if g["momentum"] != 0]
+    if any(g["dampening"] != 0 for g in groups):
+        return False
+    for group in groups:
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(param)
+    return True
+
+
 _WIDE = (torch.float32, torch.float64)
 
 
-def _total_grad_norm(params: list[Tensor]) -> float:
-    """L2 norm over all `.grad`s, accumulated in at least fp32 so half grads cannot overflow it."""
+def _total_grad_norm(params: list[Tensor], device: torch.device) -> Tensor:
+    """L2 norm over all `.grad`s, accumulated in at least fp32 so half grads cannot overflow
+    it: a 0-dim tensor (zero on `device` when no parameter has a gradient)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return 0.0
+        return torch.zeros((), dtype=torch.float32, device=device)
     if all(g.dtype == grads[0].dtype for g in grads) and grads[0].dtype in _WIDE:
-        return float(torch.nn.utils.get_total_norm(grads))
+        return torch.nn.utils.get_total_norm(grads)
     # fp64 stays fp64 (a float64 reference run); anything narrower is widened to fp32.
     norms = [
         torch.linalg.vector_norm(g, dtype=g.dtype if g.dtype in _WIDE else torch.float32)
         for g in grads
     ]
     norms = [n.double() for n in norms]
-    return float(torch.linalg.vector_norm(torch.stack(norms)))
+    return torch.linalg.vector_norm(torch.stack(norms))

@@ -217,7 +217,7 @@ def _rank_main(
     replicated.grad = torch.tensor([1.0, 2.0, 2.0])
     head = ShardedMarginSoftmax(2 * world_size, 1, build_margin("cosface"))  # 2 rows per rank
     head.weight.grad = torch.full((2, 1), float(rank + 1))
-    reduced.append(global_grad_norm([replicated, head.weight], [head]))
+    reduced.append(float(global_grad_norm([replicated, head.weight], [head])))
     Path(out, f"reduced.{rank}.json").write_text(json.dumps(reduced))
     dist.barrier()
     dist.destroy_process_group()

@@ -102,24 +102,73 @@ def test_resume_without_checkpoint_is_an_error(image_folder, tmp_path):
         train(tiny_config(image_folder, tmp_path / "none", "train.resume=true"))
 
 
-def test_nonfinite_losses_stop_the_run_and_keep_the_checkpoint(image_folder, tmp_path, monkeypatch):
+def nan_after(monkeypatch, good_forwards: int) -> None:
+    """Make the head's loss NaN after `good_forwards` forward passes."""
     real_forward = ShardedMarginSoftmax.forward
     calls = {"n": 0}
 
     def forward(self, embeddings, labels):
         calls["n"] += 1
         loss = real_forward(self, embeddings, labels)
-        return loss * float("nan") if calls["n"] > 4 else loss
+        return loss * float("nan") if calls["n"] > good_forwards else loss
 
     monkeypatch.setattr(ShardedMarginSoftmax, "forward", forward)
+
+
+def test_nonfinite_losses_stop_the_run_and_reach_no_weight(image_folder, tmp_path, monkeypatch):
+    """Losses are NaN from step 5 on. A skipped step still counts (schedule and step), so
+    the checkpoint of step 6 is written after two skipped steps: it must hold the weights
+    and the optimizer state of step 4 exactly, and the run stops at step 7, the third in a
+    row (read at the logging interval, every step here)."""
+    nan_after(monkeypatch, 4)
     cfg = tiny_config(
-        image_folder, tmp_path / "run", "train.checkpoint_every=2", "train.max_nonfinite_steps=3"
+        image_folder,
+        tmp_path / "run",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=5",
+        "train.max_nonfinite_steps=3",
     )
-    with pytest.raises(TrainingError, match="3 non-finite losses in a row"):
+    with pytest.raises(TrainingError, match="3 non-finite losses in a row by step 7"):
         train(cfg)
     latest = ckpt.latest_checkpoint(tmp_path / "run")
-    assert latest.name == "step_00000004"
-    assert ckpt.read_checkpoint(latest, ["progress"])["progress"]["step"] == 4
+    assert latest.name == "step_00000006"
+    assert ckpt.read_checkpoint(latest, ["progress"])["progress"]["step"] == 6
+    # BatchNorm's running statistics move in every forward; parameters and momentum must not.
+    moved_in_forward = ("running_mean", "running_var", "num_batches_tracked")
+    parts = ("backbone/", "head/", "optimizer/state/")
+    before = ckpt.read_checkpoint(ckpt.checkpoint_path(tmp_path / "run", 4), parts)
+    after = ckpt.read_checkpoint(latest, parts)
+    assert set(after) == set(before) and any(k.startswith("optimizer/state/") for k in after)
+    for key, value in after.items():
+        if torch.is_tensor(value) and not key.endswith(moved_in_forward):
+            assert torch.isfinite(value).all(), key
+            assert torch.equal(value, before[key]), key
+    # The skipped steps are logged (no finite loss: null), and the schedule moved on.
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    records = {r["step"]: r for r in map(json.loads, lines)}
+    assert sorted(records) == list(range(1, 8))
+    assert [records[s]["skipped_steps"] for s in range(1, 8)] == [0, 0, 0, 0, 1, 1, 1]
+    assert [records[s]["loss"] is None for s in range(1, 8)] == [False] * 4 + [True] * 3
+    assert records[7]["lr"] != records[4]["lr"]
+
+
+def test_nonfinite_steps_are_counted_on_the_device_and_read_at_the_log_interval(
+    image_folder, tmp_path, monkeypatch
+):
+    """NaN from step 3 on, logging every 4 steps: the limit of 3 in a row is reached at step
+    5 but read at step 8, where the run stops having logged both windows."""
+    nan_after(monkeypatch, 2)
+    cfg = tiny_config(
+        image_folder, tmp_path / "run", "train.log_every=4", "train.max_nonfinite_steps=3"
+    )
+    with pytest.raises(TrainingError, match="6 non-finite losses in a row by step 8"):
+        train(cfg)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [(r["step"], r["skipped_steps"]) for r in records] == [(4, 2), (8, 4)]
+    assert np.isfinite(records[0]["loss"]) and records[1]["loss"] is None
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "steps 1-4: 2 non-finite losses" in log and "steps 5-8: 4 non-finite losses" in log
 
 
 def test_train_step_accumulation_matches_one_big_batch():
@@ -144,22 +193,9 @@ def test_train_step_accumulation_matches_one_big_batch():
         results.append((result, [p.detach().clone() for p in model.parameters()]))
     (one, p_one), (two, p_two) = results
     # The reported loss is the mean over micro-batches, the gradient that of the mean loss.
-    assert two.loss == pytest.approx(one.loss, rel=1e-12)
+    assert float(two.loss) == pytest.approx(float(one.loss), rel=1e-12)
     for a, b in zip(p_one, p_two, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-
-
-def nan_after(monkeypatch, good_forwards: int) -> None:
-    """Make the head's loss NaN after `good_forwards` forward passes."""
-    real_forward = ShardedMarginSoftmax.forward
-    calls = {"n": 0}
-
-    def forward(self, embeddings, labels):
-        calls["n"] += 1
-        loss = real_forward(self, embeddings, labels)
-        return loss * float("nan") if calls["n"] > good_forwards else loss
-
-    monkeypatch.setattr(ShardedMarginSoftmax, "forward", forward)
 
 
 def test_nonfinite_stop_says_no_checkpoint_exists_and_advises_only_what_is_unset(

@@ -308,6 +308,35 @@ def test_fused_update_matches_torch_sgd_over_steps(sample_rate, nesterov, moment
     }
 
 
+def test_train_step_checks_the_loss_before_a_fused_update_steps_the_rows():
+    """The fused update steps the class rows inside backward, where the device-side mask of
+    a skipped step cannot reach: train_step reads the loss on the host first (the one sync
+    this mode keeps) and runs no backward for a NaN loss, so no row and no weight moves."""
+    from recognition.precision import Precision
+    from recognition.training import train_step
+
+    torch.manual_seed(5)
+    backbone = torch.nn.Linear(8, EMBEDDING_SIZE)
+    head = ShardedMarginSoftmax(40, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
+    precision = Precision("O0", "bf16", torch.device("cpu"))
+    precision.prepare(backbone, head)
+    params = [*backbone.parameters(), head.weight]
+    optimizer = torch.optim.SGD(params, lr=0.5, momentum=0.9, fused=True)
+    head.attach_fused_update(optimizer)
+    assert head.updates_in_backward
+    images, labels = torch.randn(6, 8), torch.randint(0, 40, (6,))
+    before = [p.detach().clone() for p in params]
+    result = train_step(
+        backbone, head, [(images * float("nan"), labels)], optimizer, precision, None
+    )
+    assert not result.finite and not result.stepped
+    for old, new in zip(before, params, strict=True):
+        assert torch.equal(old, new)
+    result = train_step(backbone, head, [(images, labels)], optimizer, precision, None)
+    assert result.finite and result.stepped
+    assert not torch.equal(before[-1], head.weight) and torch.isfinite(head.weight).all()
+
+
 def test_fused_update_refuses_what_it_cannot_honour():
     head = ShardedMarginSoftmax(20, EMBEDDING_SIZE, CosFace(), kernel="triton")
     with pytest.raises(ValueError, match="SGD"):

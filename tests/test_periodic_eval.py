@@ -248,6 +248,16 @@ def test_two_ranks_wait_for_rank0_and_share_its_errors(data, tmp_path):
     assert json.loads((tmp_path / "good" / "best.json").read_text())["step"] in (3, 6)
     assert (tmp_path / "good" / "best_backbone.pt").is_file()
 
+    run_dir = tmp_path / "pipelined"
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().split("\n") if x]
+    assert [r["step"] for r in records if "eval/val/accuracy" in r] == [3, 6]
+    best = json.loads((run_dir / "best.json").read_text())
+    _, _, best_state = ckpt.load_backbone_file(run_dir / "best_backbone.pt")
+    _, _, step_state = ckpt.load_backbone_file(ckpt.checkpoint_path(run_dir, best["step"]))
+    assert best_state.keys() == step_state.keys()
+    for key in best_state:
+        torch.testing.assert_close(best_state[key], step_state[key], rtol=0, atol=0)
+
 
 @pytest.mark.parametrize("kind", ["pairs", "bin"])
 def test_missing_target_stops_before_the_first_step(data, tmp_path, kind):
@@ -263,13 +273,3 @@ def test_missing_target_stops_before_the_first_step(data, tmp_path, kind):
         train(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
-
-    run_dir = tmp_path / "pipelined"
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().split("\n") if x]
-    assert [r["step"] for r in records if "eval/val/accuracy" in r] == [3, 6]
-    best = json.loads((run_dir / "best.json").read_text())
-    _, _, best_state = ckpt.load_backbone_file(run_dir / "best_backbone.pt")
-    _, _, step_state = ckpt.load_backbone_file(ckpt.checkpoint_path(run_dir, best["step"]))
-    assert best_state.keys() == step_state.keys()
-    for key in best_state:
-        torch.testing.assert_close(best_state[key], step_state[key], rtol=0, atol=0)

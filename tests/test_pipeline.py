@@ -307,7 +307,7 @@ def pipelined_grads(case: dict, rank: int, world: int) -> dict:
     grads = {f"backbone/{n}": p.grad for n, p in stage.named_parameters() if p.grad is not None}
     if head is not None:
         grads[f"head/{head.class_start}"] = head.weight.grad
-    return {"loss": result.loss, "grad_norm": result.grad_norm, "grads": grads}
+    return {"loss": float(result.loss), "grad_norm": float(result.grad_norm), "grads": grads}
 
 
 def reference_grads(case: dict, num_replicas: int, single: dist.ProcessGroup) -> dict:

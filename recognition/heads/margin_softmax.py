@@ -47,7 +47,17 @@ every rank. The sample is a pure function of (seed, sampling_step, global class 
 CPU and GPU, and means the same on every rank; `sampling_step` counts sampled forwards.
 Unsampled rows get a zero gradient, and `attach_optimizer` makes the optimizer leave them
 alone altogether: no momentum, no weight decay, no update of their optimizer state (see its
-docstring). Evaluation (`.eval()` or no grad) uses every class.
+docstring). Evaluation (`.eval()` or no grad) uses every class. Partial FC synchronises with
+the host every step, where the rest of the training step does not: the positives
+(`torch.unique`), the number of classes kept (a top-k of a data-dependent size) and the rows
+the optimizer steps (`nonzero`) have sizes only the data decide.
+
+Host synchronisation. Without partial FC a training forward reads no tensor value on the
+host: the labels' range is asserted on the device (`torch._assert_async`; on the CPU it
+raises at once and names the label; on a GPU a bad label stops the process at its next
+synchronisation with a device-side assertion, whose message names num_classes where the
+torch build passes messages to the kernel), and with several ranks the ranks' input
+statuses are all-gathered and asserted the same way.
 
 Kernels (`kernel`). "torch" is the code in this module. "triton" runs the local statistics
 and their gradient in the fused kernels of heads/kernels/margin_softmax_triton.py (class
@@ -72,7 +82,7 @@ import importlib.util
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -681,6 +691,12 @@ class ShardedMarginSoftmax(nn.Module):
         master, as `attach_optimizer` was told."""
         return self._optimizer_param[0]
 
+    @property
+    def updates_in_backward(self) -> bool:
+        """True once `attach_fused_update` made the backward step the class rows: a step
+        must then know its loss finite before backward (no later mask reaches them)."""
+        return self._fused is not None
+
     def squared_grad_norm(self) -> Tensor:
         """Sum of squares of the class rows' gradients over every rank of the group.
 
@@ -979,35 +995,86 @@ class ShardedMarginSoftmax(nn.Module):
     # ---------------------------------------------------------------- input checks
 
     def _check_inputs(self, local_embeddings: Tensor, local_labels: Tensor) -> None:
+        """Raise ValueError on every rank when any rank's inputs are bad, without a host read.
+
+        Shapes and dtypes are known on the host. Whether the labels lie in [0, num_classes)
+        is not: it is asserted on the device (`torch._assert_async`), which on the CPU raises
+        at once (caught here, and the message names the label) and on a GPU stops the
+        process at its next synchronisation with a device-side assertion. With several
+        ranks the ranks' statuses are all-gathered (on the device) and asserted alike, so
+        that no rank is left waiting in a collective.
+        """
         error = self._input_error(local_embeddings, local_labels)
+        labels_ok = None if error is not None else self._labels_in_range(local_labels)
         if self.world_size == 1:
             if error is not None:
                 raise ValueError(error)
+            self._assert(labels_ok, lambda: self._label_error(local_labels))
             return
         # Every rank must learn of any rank's bad input: a rank that raised alone would leave
-        # the others waiting in the next collective until the timeout.
+        # the others waiting in the next collective until the timeout. torch.full, not
+        # torch.tensor: a copy from the host would synchronise.
+        device = local_embeddings.device
         batch_size = local_embeddings.shape[0] if local_embeddings.ndim > 0 else 0
-        status = torch.tensor(
-            [batch_size, error is not None], dtype=torch.int64, device=local_embeddings.device
-        )
-        statuses = distributed.all_gather_tensor(status, self.group).view(-1, 2).tolist()
+        bad = torch.ones((), dtype=torch.int64, device=device)
+        if labels_ok is not None:
+            bad = (~labels_ok.to(device)).to(torch.int64)
+        status = torch.stack([torch.full((), batch_size, dtype=torch.int64, device=device), bad])
+        statuses = distributed.all_gather_tensor(status, self.group).view(-1, 2)  # (W, 2)
         if error is not None:
             raise ValueError(f"rank {self.rank}: {error}")
+        assert labels_ok is not None
+
+        def describe() -> str:  # on the CPU, once the assertion failed: the host may read
+            if not bool(labels_ok):
+                return f"rank {self.rank}: {self._label_error(local_labels)}"
+            return self._ranks_error(statuses.tolist())
+
+        all_ok = (statuses[:, 1] == 0).all() & (statuses[:, 0] == batch_size).all()
+        self._assert(all_ok, describe)
+
+    def _labels_in_range(self, local_labels: Tensor) -> Tensor:
+        """0-dim bool tensor: every label lies in [0, num_classes)."""
+        return ((local_labels >= 0) & (local_labels < self.num_classes)).all()
+
+    def _assert(self, ok: Tensor, describe: Callable[[], str]) -> None:
+        """Assert `ok` (0-dim bool) on its device. On the CPU the assertion acts at once and
+        raises ValueError(describe()); on a GPU it acts asynchronously (a device-side
+        assertion at the next synchronisation; torch builds that pass the message to the
+        kernel print the one below)."""
+        message = (
+            f"ShardedMarginSoftmax: a label outside [0, {self.num_classes}) (head has "
+            f"num_classes={self.num_classes}), or ranks with different batch sizes"
+        )
+        try:
+            torch._assert_async(ok, message)
+        except RuntimeError:  # the CPU checks at once: say which label, which rank
+            raise ValueError(describe()) from None
+
+    def _label_error(self, local_labels: Tensor) -> str:
+        bad = int(local_labels[(local_labels < 0) | (local_labels >= self.num_classes)][0])
+        return (
+            f"local_labels: label {bad} is outside [0, {self.num_classes}) "
+            f"(head has num_classes={self.num_classes})"
+        )
+
+    @staticmethod
+    def _ranks_error(statuses: list[list[int]]) -> str:
         failed = [rank for rank, (_, bad) in enumerate(statuses) if bad]
         if failed:
-            raise ValueError(
+            return (
                 f"ShardedMarginSoftmax: rank(s) {failed} passed invalid inputs (their own "
                 "error says which)"
             )
         sizes = [size for size, _ in statuses]
-        if len(set(sizes)) > 1:
-            raise ValueError(
-                f"local_embeddings: every rank must pass the same batch size, got {sizes} "
-                f"on ranks 0..{len(sizes) - 1}"
-            )
+        return (
+            f"local_embeddings: every rank must pass the same batch size, got {sizes} "
+            f"on ranks 0..{len(sizes) - 1}"
+        )
 
     def _input_error(self, local_embeddings: Tensor, local_labels: Tensor) -> str | None:
-        """What is wrong with this rank's inputs, or None."""
+        """What is wrong with this rank's inputs that the host knows (shapes, dtypes), or
+        None; the labels' range is checked on the device (`_check_inputs`)."""
         if local_embeddings.ndim != 2 or local_embeddings.shape[1] != self.embedding_size:
             return (
                 f"local_embeddings: expected shape (batch, {self.embedding_size}), "
@@ -1024,12 +1091,4 @@ class ShardedMarginSoftmax(nn.Module):
             )
         if local_labels.dtype not in INTEGER_DTYPES:
             return f"local_labels: expected integer labels, got {local_labels.dtype}"
-        # One host sync per step; a silent out-of-range label would train the wrong class.
-        out_of_range = (local_labels < 0) | (local_labels >= self.num_classes)
-        if bool(out_of_range.any()):
-            bad = int(local_labels[out_of_range][0])
-            return (
-                f"local_labels: label {bad} is outside [0, {self.num_classes}) "
-                f"(head has num_classes={self.num_classes})"
-            )
         return None

@@ -4,6 +4,11 @@ A hook overrides any of `before_train`, `before_epoch`, `after_step`, `after_epo
 `after_train`; the loop calls every hook in list order (see `default_hooks` for the order
 and why). Collective hooks (logging, evaluation, checkpoints, the epoch's bad-image count)
 run on every rank at the same steps.
+
+A step's `StepResult` holds device tensors. Hooks read them on the host only at logging
+intervals (`log_due`: every `train.log_every` steps and the last), so that the steps in
+between launch no host synchronisation: the log window keeps the results until then, the
+non-finite guard counts on the device.
 """
 
 from __future__ import annotations
@@ -47,8 +52,8 @@ class Hook:
         pass
 
     def after_step(self, run: Run, result: StepResult) -> None:
-        """After every step, finite or not (`result.finite`); `run.progress.step` counts
-        only applied steps."""
+        """After every step, skipped or not (`run.progress.step` counts both). `result`
+        holds device tensors: read them only where `log_due(run)`."""
 
     def after_epoch(self, run: Run) -> None:
         pass
@@ -60,14 +65,15 @@ class Hook:
 def default_hooks(run: Run, metrics: MetricsWriter) -> list[Hook]:
     """The hooks of a training run, in the order they act after a step.
 
-    The non-finite guard first (it stops the run before anything is logged of a bad
-    step), then the log window, periodic evaluation and checkpoints (a checkpoint saved
-    after the evaluation that ran at the same step), the progress bar last.
+    The log window first (the window in which a run stops for non-finite losses is logged,
+    its skipped steps included), then the non-finite guard (it stops the run before an
+    evaluation or a checkpoint of that step), periodic evaluation and checkpoints (a
+    checkpoint saved after the evaluation that ran at the same step), the progress bar last.
     """
     return [
         FirstStepTimer(),
-        NonFiniteGuard(),
         LogWindow(metrics),
+        NonFiniteGuard(),
         PeriodicEvaluation(run.cfg, run.dist_info, metrics),
         Checkpointer(),
         BadImageReport(),
@@ -89,26 +95,51 @@ class FirstStepTimer(Hook):
         self.start = None
 
 
-class NonFiniteGuard(Hook):
-    """Counts non-finite losses in a row and stops after `train.max_nonfinite_steps`."""
+def log_due(run: Run) -> bool:
+    """Whether the step just taken is a logging step (every `train.log_every`, and the last):
+    the only steps after which hooks read the step's tensors on the host."""
+    step = run.progress.step
+    return step % run.cfg.train.log_every == 0 or step == run.last_step
 
-    def __init__(self) -> None:
-        self.in_a_row = 0
+
+class NonFiniteGuard(Hook):
+    """Counts non-finite losses in a row on the device; at each logging step reads the count
+    and stops the run once `train.max_nonfinite_steps` in a row were seen.
+
+    The skipped steps changed nothing (their updates were masked on the device), so the run
+    may go on for up to `train.log_every` - 1 steps past the limit before it stops.
+    """
+
+    def before_train(self, run: Run) -> None:
+        zero = torch.zeros((), dtype=torch.int64, device=run.dist_info.device)
+        self.in_a_row = zero  # non-finite losses in a row up to the last step
+        self.longest = zero  # the longest such run since the last read
+        self.num_nonfinite = zero  # in the steps since the last read
+        self.first_step = run.progress.step + 1  # of those steps
 
     def after_step(self, run: Run, result: StepResult) -> None:
-        if result.finite:
-            self.in_a_row = 0
+        if result.finite is not None:
+            nonfinite = ~result.finite
+            self.in_a_row = (self.in_a_row + 1) * nonfinite
+            self.longest = torch.maximum(self.longest, self.in_a_row)
+            self.num_nonfinite = self.num_nonfinite + nonfinite
+        if not log_due(run):
             return
-        self.in_a_row += 1
-        step = run.progress.step
-        log.warning(
-            "step %d: non-finite loss %s, step skipped (%d in a row)",
-            step,
-            result.loss,
-            self.in_a_row,
-        )
-        if self.in_a_row >= run.cfg.train.max_nonfinite_steps:
-            raise TrainingError(nonfinite_message(run, self.in_a_row))
+        counts = torch.stack([self.in_a_row, self.longest, self.num_nonfinite])
+        in_a_row, longest, num_nonfinite = counts.tolist()  # the one read, at the interval
+        first, step = self.first_step, run.progress.step
+        self.longest, self.num_nonfinite = self.in_a_row, torch.zeros_like(self.num_nonfinite)
+        self.first_step = step + 1
+        if num_nonfinite:
+            log.warning(
+                "steps %d-%d: %d non-finite losses, their updates skipped (%d in a row now)",
+                first,
+                step,
+                num_nonfinite,
+                in_a_row,
+            )
+        if longest >= run.cfg.train.max_nonfinite_steps:
+            raise TrainingError(nonfinite_message(run, longest))
 
 
 def nonfinite_message(run: Run, in_a_row: int) -> str:
@@ -127,26 +158,28 @@ def nonfinite_message(run: Run, in_a_row: int) -> str:
         else "No checkpoint was written before it (train.checkpoint_every sets how often)."
     )
     return (
-        f"stopping: {in_a_row} non-finite losses in a row at step {run.progress.step} "
+        f"stopping: {in_a_row} non-finite losses in a row by step {run.progress.step} "
         f"(train.max_nonfinite_steps); {', '.join(advice)}. {where}"
     )
 
 
 class LogWindow(Hook):
     """Every `train.log_every` steps (and at the last): the window's numbers, reduced over
-    ranks (collective), to metrics.jsonl, TensorBoard and the log."""
+    ranks (collective), to metrics.jsonl, TensorBoard and the log.
+
+    The steps' results (device tensors) are kept until then and read in one transfer, so
+    the steps in between need no host synchronisation. The loss, accuracy and gradient norm
+    are means over the window's steps whose loss was finite; `skipped_steps` counts the
+    steps whose update was skipped (a non-finite loss or gradient, an fp16 overflow).
+    """
 
     def __init__(self, metrics: MetricsWriter) -> None:
         self.metrics = metrics
         self.reset()
 
     def reset(self) -> None:
-        self.losses: list[float] = []
-        self.accuracies: list[float] = []
-        self.grad_norms: list[float] = []
+        self.results: list[StepResult] = []
         self.samples = 0
-        self.skipped = 0
-        self.scale = 1.0
         self.start = time.perf_counter()
 
     def before_train(self, run: Run) -> None:
@@ -163,20 +196,12 @@ class LogWindow(Hook):
         self.reset()
 
     def after_step(self, run: Run, result: StepResult) -> None:
-        if not result.finite:
-            return
-        self.losses.append(result.loss)
-        if math.isfinite(result.accuracy):
-            self.accuracies.append(result.accuracy)
-        if math.isfinite(result.grad_norm):
-            self.grad_norms.append(result.grad_norm)
+        self.results.append(result)
         # This rank's share of the step's samples (a pipeline's stages share theirs).
         self.samples += run.progress.global_batch / run.dist_info.world_size
-        self.skipped += int(not result.stepped)
-        self.scale = result.scale
-        step = run.progress.step
-        if step % run.cfg.train.log_every and step != run.last_step:
+        if not log_due(run):
             return
+        step = run.progress.step
         values = self.flush(run.dist_info)
         values.update(epoch=run.progress.epoch, lr=run.optimizer.param_groups[0]["lr"])
         self.metrics.log(step, values)
@@ -192,26 +217,54 @@ class LogWindow(Hook):
 
     def flush(self, dist_info: DistInfo) -> dict[str, Any]:
         """The window's scalars, reduced over ranks (collective), then a fresh window."""
+        window = _read_results(self.results)
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         peak_memory = peak_memory_mb(dist_info.device)
+        finite = window["finite"] > 0
+        losses = window["loss"][finite]
+        accuracies = window["accuracy"][finite & np.isfinite(window["accuracy"])]
+        grad_norms = window["grad_norm"][finite & np.isfinite(window["grad_norm"])]
         values = {
             # The loss and the accuracy are already identical on every rank (the head reduces
             # over the global batch); the mean keeps the contract should a head ever differ.
-            "loss": distributed.all_reduce_mean(float(np.mean(self.losses))),
-            "accuracy": distributed.all_reduce_mean(
-                float(np.mean(self.accuracies)) if self.accuracies else float("nan")
-            ),
+            "loss": distributed.all_reduce_mean(_mean(losses)),
+            "accuracy": distributed.all_reduce_mean(_mean(accuracies)),
             "samples_per_sec": distributed.all_reduce_sum(self.samples / elapsed),
             # Already global: the norm is taken over every rank's gradients.
-            "grad_norm": float(np.mean(self.grad_norms)) if self.grad_norms else float("nan"),
-            "skipped_steps": self.skipped,
-            "loss_scale": self.scale,
+            "grad_norm": _mean(grad_norms),
+            "skipped_steps": int((window["stepped"] == 0).sum()),
+            "loss_scale": float(window["scale"][-1]) if len(window["scale"]) else 1.0,
             # The fullest and the emptiest rank: an uneven class split or a leak shows here.
             "peak_memory_mb_max": distributed.all_reduce_max(peak_memory),
             "peak_memory_mb_min": distributed.all_reduce_min(peak_memory),
         }
         self.reset()
         return values
+
+
+_RESULT_FIELDS = ("loss", "finite", "accuracy", "grad_norm", "stepped", "scale")
+
+
+def _read_results(results: list[StepResult]) -> dict[str, np.ndarray]:
+    """The fields of `results` as float64 arrays (one entry per step), read from the device
+    in one transfer. A missing loss or accuracy reads as NaN, a missing `finite` as True."""
+    if not results:
+        return {name: np.zeros(0) for name in _RESULT_FIELDS}
+    device = results[0].stepped.device
+    nan = torch.full((), math.nan, dtype=torch.float64, device=device)
+    columns = []
+    for result in results:
+        loss = result.loss if result.loss is not None else nan
+        finite = result.finite if result.finite is not None else torch.isfinite(loss)
+        accuracy = result.accuracy if result.accuracy is not None else nan
+        values = (loss, finite, accuracy, result.grad_norm, result.stepped, result.scale)
+        columns.append(torch.stack([v.to(device, torch.float64) for v in values]))
+    table = torch.stack(columns, dim=1).cpu().numpy()  # (fields, steps): the one sync
+    return dict(zip(_RESULT_FIELDS, table, strict=True))
+
+
+def _mean(values: np.ndarray) -> float:
+    return float(np.mean(values)) if len(values) else float("nan")
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -227,8 +280,7 @@ class Checkpointer(Hook):
     epoch) and at the last step (collective: every rank writes its own class rows)."""
 
     def after_step(self, run: Run, result: StepResult) -> None:
-        if not result.finite:
-            return
+        # A step skipped for a non-finite loss changed no weight: what is saved is intact.
         step, every = run.progress.step, run.cfg.train.checkpoint_every
         if (every and step % every == 0) or step == run.last_step:
             self.save(run)
@@ -324,7 +376,7 @@ class PeriodicEvaluation(Hook):
                 self.best_value = float(saved["value"])
 
     def after_step(self, run: Run, result: StepResult) -> None:
-        if result.finite and self.due(run.progress.step):
+        if self.due(run.progress.step):
             # Collective: rank 0 evaluates (eval.targets), the others wait for it.
             self.run(run.progress.step, run.progress.epoch, run.whole_backbone())
 

@@ -101,8 +101,11 @@ def run_loop(run: Run, hooks: list[Hook], step_fn: Callable | None = None) -> No
 
     `step_fn` (default `run.step`: `train_step`, or the pipeline's step) takes (model,
     head, micro-batches, optimizer, precision, max grad norm) and returns a `StepResult`;
-    another step can take its place. A finite step advances the scheduler and
-    `run.progress.step`; a non-finite one changes nothing (the guard hook counts them).
+    another step can take its place. Every step advances the scheduler and
+    `run.progress.step`, a skipped one too (its loss or gradients were not finite and its
+    update was masked on the device), as a skipped fp16 step does under torch's GradScaler:
+    the host does not know which steps were skipped until the log window reads them, and the
+    non-finite guard counts them there. Nothing here reads a tensor value.
     """
     step_fn = run.step if step_fn is None else step_fn
     cfg, progress = run.cfg, run.progress
@@ -134,9 +137,8 @@ def run_loop(run: Run, hooks: list[Hook], step_fn: Callable | None = None) -> No
                 cfg.optim.grad_clip,
             )
             progress.batches_done += len(micro_batches)
-            if result.finite:
-                run.scheduler.step()
-                progress.step += 1
+            run.scheduler.step()
+            progress.step += 1
             for hook in hooks:
                 hook.after_step(run, result)
         # Collective hooks here: every rank leaves the epoch's loop at the same step.

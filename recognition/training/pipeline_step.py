@@ -7,12 +7,16 @@ gradients are those of the batch's mean loss, exactly those of the unpipelined b
 on the same micro-batches with gradient accumulation (the schedule's own gradient scaling
 is off: it would not reach the head, which is not part of a stage). The step then agrees
 over the pipeline on the loss (it exists on the last stage only), skips a non-finite one on
-every rank, and clips by the norm over every stage and the whole head.
+every rank, and clips by the norm over every stage and the whole head. Like `train_step`
+it reads nothing on the host: the agreement is an all-reduce whose result stays on the
+device, and the skip is the masked update of `Precision.step`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -119,44 +123,31 @@ class PipelineStep:
             # gradients arrive scaled from the last stage) but unscale in step().
             precision.scale_loss(torch.zeros((), device=self.device))
         loss, accuracy, finite = self._agree()
-        if not finite:
-            precision.zero_grad(optimizer)
-            return StepResult(
-                stepped=False,
-                grad_norm=float("nan"),
-                scale=precision.loss_scale(),
-                loss=loss,
-                finite=False,
-            )
         sharded = [self.head] if self.head is not None else []
         result = precision.step(
             optimizer,
             max_grad_norm,
             grad_norm_fn=lambda params: global_grad_norm(params, sharded, layout.pp_group),
+            finite=finite,
         )
-        return StepResult(
-            stepped=result.stepped,
-            grad_norm=float(result.grad_norm),
-            scale=float(result.scale),
-            loss=loss,
-            accuracy=accuracy,
-        )
+        return dataclasses.replace(result, loss=loss, finite=finite, accuracy=accuracy)
 
-    def _agree(self) -> tuple[float, float, bool]:
+    def _agree(self) -> tuple[Tensor, Tensor | None, Tensor]:
         """The batch's mean loss and accuracy and whether every loss was finite, on every
-        rank of the pipeline (the last stage has them; the others contribute zeros)."""
+        rank of the pipeline (the last stage has them; the others contribute zeros), as
+        device tensors: the loss NaN when one was not finite, the accuracy None when the
+        head reports none."""
         stats = torch.zeros(3, dtype=torch.float64, device=self.device)
         if self.layout.is_last:
             losses = torch.stack(self._losses).double()
             finite = torch.isfinite(losses)
             stats[0] = torch.where(finite, losses, 0.0).sum()
-            stats[1] = torch.stack(self._accuracies).double().sum() if self._accuracies else 0.0
+            if self._accuracies:
+                stats[1] = torch.stack(self._accuracies).double().sum()
             stats[2] = (~finite).sum()
-        stats = distributed.all_reduce_tensor_sum(stats, self.layout.pp_group).tolist()
-        loss, accuracy, nonfinite = stats
-        has_accuracy = self.head is None or bool(self._accuracies)
-        return (
-            loss / self.num_micro if not nonfinite else float("nan"),
-            accuracy / self.num_micro if has_accuracy else float("nan"),
-            nonfinite == 0,
-        )
+        stats = distributed.all_reduce_tensor_sum(stats, self.layout.pp_group)
+        finite = stats[2] == 0
+        loss = torch.where(finite, stats[0] / self.num_micro, math.nan)
+        has_accuracy = self.head is None or bool(self._accuracies)  # a list, not a tensor
+        accuracy = stats[1] / self.num_micro if has_accuracy else None
+        return loss, accuracy, finite

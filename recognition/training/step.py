@@ -3,11 +3,20 @@
 `train_step` is the step the loop calls; a test drives it alone. Another step function with
 the same signature and result (a compiled or a pipelined one) can replace it in
 `recognition.training.loop` without touching the loop.
+
+The step launches no host synchronisation: it reads no tensor value on the host and
+branches on none. A non-finite loss or gradient norm is handled on the device (the
+optimizer's update is masked, see `recognition.precision`), and the `StepResult` holds
+device tensors that the log window reads at its interval. What still synchronises, and why:
+partial FC (`head.sample_rate` < 1: the sampled classes' count is data-dependent), and
+`head.fused_update` (the head's rows are stepped inside backward, so the loss is checked on
+the host first).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -44,13 +53,18 @@ def train_step(
     (`global_grad_norm`), so that every rank clips by the same global norm.
 
     Each micro-batch's loss is divided by their number before backward, so the gradient is
-    that of the mean loss over all of them. A non-finite loss skips the whole step: the
-    accumulated gradients are dropped and no parameter or optimizer state changes. The loss
-    is the same on every rank (the head reduces over the global batch), so ranks skip alike.
+    that of the mean loss over all of them. A non-finite loss skips the whole step on the
+    device: every micro-batch still runs backward, and the update is masked so that no
+    parameter or optimizer state changes (`Precision.step`). The loss is the same on every
+    rank (the head reduces over the global batch), so ranks skip alike. Returns device
+    tensors (`StepResult`); nothing is read on the host.
     """
     num_micro = len(micro_batches)
     # A compiled model keeps its DDP wrapper inside (torch.compile's OptimizedModule).
     is_ddp = isinstance(getattr(backbone, "_orig_mod", backbone), DistributedDataParallel)
+    # head.fused_update steps the class rows inside backward, where no mask can reach: the
+    # loss must be known finite on the host before (one sync per step, that mode only).
+    checks_loss_on_host = getattr(head, "updates_in_backward", False)
     precision.zero_grad(optimizer)
     losses, accuracies = [], []
     for index, (images, labels) in enumerate(micro_batches):
@@ -60,31 +74,27 @@ def train_step(
             with precision.autocast():
                 embeddings = backbone(precision.cast_inputs(images))  # (B, D)
                 loss = head(embeddings, labels)  # same scalar on every rank
-            if not torch.isfinite(loss):
-                precision.zero_grad(optimizer)
-                return StepResult(
-                    stepped=False,
-                    grad_norm=float("nan"),
-                    scale=precision.loss_scale(),
-                    loss=float(loss.detach()),
-                    finite=False,
-                )
-            precision.backward(loss / num_micro)
+            skip_backward = checks_loss_on_host and not bool(torch.isfinite(loss))
+            if not skip_backward:
+                precision.backward(loss / num_micro)
         # Kept in the loss's own dtype (float32, or float64 in a float64 run).
         losses.append(loss.detach())
         if getattr(head, "last_accuracy", None) is not None:
             accuracies.append(head.last_accuracy.float())
 
+    finite = torch.isfinite(torch.stack(losses)).all()
     sharded = [head] if hasattr(head, "squared_grad_norm") else []
     result = precision.step(
-        optimizer, max_grad_norm, grad_norm_fn=lambda params: global_grad_norm(params, sharded)
+        optimizer,
+        max_grad_norm,
+        grad_norm_fn=lambda params: global_grad_norm(params, sharded),
+        finite=finite,
     )
-    return StepResult(
-        stepped=result.stepped,
-        grad_norm=float(result.grad_norm),
-        scale=float(result.scale),
-        loss=float(torch.stack(losses).mean()),
-        accuracy=float(torch.stack(accuracies).mean()) if accuracies else float("nan"),
+    return dataclasses.replace(
+        result,
+        loss=torch.stack(losses).mean(),
+        finite=finite,
+        accuracy=torch.stack(accuracies).mean() if accuracies else None,
     )
 
 
@@ -92,7 +102,7 @@ def global_grad_norm(
     params: Iterable[torch.Tensor],
     sharded: Sequence[ShardedPart] = (),
     stage_group: dist.ProcessGroup | None = None,
-) -> float:
+) -> torch.Tensor:
     """L2 norm of the gradients of `params` over the whole model, whichever rank holds them.
 
     `params` are the tensors an optimizer steps. Those that a part of `sharded` steps hold
@@ -104,17 +114,22 @@ def global_grad_norm(
     stage's ranks: `stage_group` (the pipeline's ranks, one per stage) sums those parts,
     collective over it. inf/NaN anywhere gives inf/NaN on every rank. Squares are summed in
     float32 at least (float64 for float64 gradients) so half gradients cannot overflow.
-    Returns 0.0 when no parameter has a gradient.
+    Returns a 0-dim float64 tensor, not read on the host (zero when no parameter has a
+    gradient).
     """
     sharded_ids = {id(part.optimizer_param) for part in sharded}
     replicated = [p.grad for p in params if p.grad is not None and id(p) not in sharded_ids]
-    device = replicated[0].device if replicated else torch.device("cpu")
+    # Where the gradients are: a copy of the head's share to another device would sync.
+    if replicated:
+        device = replicated[0].device
+    else:
+        device = sharded[0].optimizer_param.device if sharded else torch.device("cpu")
     total = _squared_norm(replicated, device)
     for part in sharded:
         total = total + part.squared_grad_norm().to(device, torch.float64)
     if stage_group is not None:
         total = distributed.all_reduce_tensor_sum(total, stage_group)
-    return float(total.sqrt())
+    return total.sqrt()
 
 
 _WIDE = (torch.float32, torch.float64)
