@@ -53,7 +53,13 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.head import _proc_status_kib, _reset_peak_rss, _set_mmap_threshold  # noqa: E402
-from recognition.config import HeadConfig, ModelConfig, parse_image_size  # noqa: E402
+from recognition.config import (  # noqa: E402
+    HeadConfig,
+    ModelConfig,
+    OptimConfig,
+    parse_image_size,
+)
+from recognition.optim import build_optimizer  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,8 @@ class Case:
     """Samples per micro-batch (the batch: no pipelining); 0 for the one-device case."""
     schedule: str
     device: str
-    threads_per_stage: int
+    threads: int
+    """Intra-op threads of each process (CPU)."""
     num_classes: int
     embedding_size: int
     precision: str
@@ -81,7 +88,7 @@ class Case:
     @property
     def kind(self) -> str:
         if self.micro == 0:
-            return "one device"
+            return f"one device, {self.threads} thr" if self.device == "cpu" else "one device"
         return "P stages, no micro-batches" if self.micro == self.batch else "pipelined"
 
 
@@ -144,37 +151,50 @@ def _precision(case: Case, device: torch.device):
     return Precision(level, dtype or "bf16", device)
 
 
+def _measure(case: Case, device: torch.device, step, base: int, group: bool) -> tuple[float, int]:
+    """(median step time, peak memory of a step over `base`) after the warm-up steps."""
+    for _ in range(case.warmup):
+        step()
+    _sync(device, group)
+    _reset_peak(device)
+    step()
+    peak = _peak(device) - base
+    return _timed(step, device, case.steps, group=group), peak
+
+
+def _batch(case: Case, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    images = torch.randn(case.batch, 3, *case.image_hw, device=device)
+    labels = torch.randint(0, case.num_classes, (case.batch,), device=device)
+    return images.to(memory_format=_fmt(device)), labels
+
+
+def _optimizer(precision, parts: list[torch.nn.Module]) -> torch.optim.Optimizer:
+    from recognition.optim import param_groups
+
+    groups = precision.param_groups(param_groups(parts, 5e-4))
+    return build_optimizer(groups, OptimConfig(lr=0.01))
+
+
 def _one_device(case: Case, device: torch.device) -> dict[str, Any]:
     """The whole model on one process: train_step over the whole batch."""
     from recognition.heads import build_head
     from recognition.models import backbone_from_config
-    from recognition.optim import param_groups
     from recognition.training import train_step
 
-    cfg = model_config(case, 1)
     torch.manual_seed(0)
     base = _memory_now(device)
-    backbone = backbone_from_config(cfg, case.image_hw).to(device, memory_format=_fmt(device))
+    backbone = backbone_from_config(model_config(case, 1), case.image_hw)
+    backbone = backbone.to(device, memory_format=_fmt(device))
     head = build_head(HeadConfig(), case.num_classes, case.embedding_size, seed=0, device=device)
     precision = _precision(case, device)
     precision.prepare(backbone, head)
-    optimizer = torch.optim.SGD(
-        precision.param_groups(param_groups([backbone, head], 5e-4)), lr=0.01, momentum=0.9
-    )
-    images = torch.randn(case.batch, 3, *case.image_hw, device=device).to(
-        memory_format=_fmt(device)
-    )
-    labels = torch.randint(0, case.num_classes, (case.batch,), device=device)
+    optimizer = _optimizer(precision, [backbone, head])
+    images, labels = _batch(case, device)
 
     def step() -> None:
         train_step(backbone, head, [(images, labels)], optimizer, precision, None)
 
-    for _ in range(case.warmup):
-        step()
-    _reset_peak(device)
-    step()
-    peak = _peak(device) - base
-    step_s = _timed(step, device, case.steps, group=False)
+    step_s, peak = _measure(case, device, step, base, group=False)
     return {"step_s": step_s, "peak_bytes": [peak], "busy_s": [step_s]}
 
 
@@ -187,69 +207,36 @@ def _pipelined(case: Case, rank: int, world: int, device: torch.device) -> dict[
 
     from recognition.distributed import DistInfo
     from recognition.heads import build_head
-    from recognition.optim import param_groups
-    from recognition.pipeline import (
-        build_stage_backbone,
-        make_layout,
-        send_contiguous,
-        stage_io,
-        wrap_stage,
-    )
-    from recognition.training.pipeline_step import PipelineStep
+    from recognition.pipeline import build_stage_backbone, make_layout
+    from recognition.training.pipeline_step import build_pipeline_step
 
-    cfg = model_config(case, case.stages)
     layout = make_layout(case.stages, DistInfo(rank=rank, world_size=world, device=device))
     base = _memory_now(device)
-    stage, ranges = build_stage_backbone(cfg, case.image_hw, layout, seed=0)
+    stage, ranges = build_stage_backbone(model_config(case, case.stages), case.image_hw, layout, 0)
     stage = stage.to(device, memory_format=_fmt(device))
-    send_contiguous(stage, layout, _fmt(device))
     head = None
     if layout.is_last:
         head = build_head(
-            HeadConfig(),
-            case.num_classes,
-            case.embedding_size,
-            seed=0,
-            device=device,
+            HeadConfig(), case.num_classes, case.embedding_size, seed=0, device=device,
             group=layout.dp_group,
-        )
+        )  # fmt: skip
     precision = _precision(case, device)
     precision.prepare(*([stage] if head is None else [stage, head]))
-    micro_images = precision.cast_inputs(torch.empty(case.micro, 3, *case.image_hw, device="meta"))
-    input_meta, output_meta = stage_io(stage, layout, micro_images, precision, device)
-    model = wrap_stage(stage, layout, device)
-    step_fn = PipelineStep(
-        model,
-        layout,
-        head,
-        num_micro=case.num_micro,
-        schedule=case.schedule,
-        input_meta=input_meta,
-        output_meta=output_meta,
-        precision=precision,
-        device=device,
-    )
-    parts = [stage] if head is None else [stage, head]
-    optimizer = torch.optim.SGD(
-        precision.param_groups(param_groups(parts, 5e-4)), lr=0.01, momentum=0.9
-    )
-    images = torch.randn(case.batch, 3, *case.image_hw, device=device).to(
-        memory_format=_fmt(device)
-    )
-    labels = torch.randint(0, case.num_classes, (case.batch,), device=device)
+    model, step_fn = build_pipeline_step(
+        stage, layout, head, precision, device=device, image_hw=case.image_hw,
+        micro_batch_size=case.micro, schedule=case.schedule, num_micro=case.num_micro,
+        memory_format=_fmt(device),
+    )  # fmt: skip
+    optimizer = _optimizer(precision, [stage] if head is None else [stage, head])
+    images, labels = _batch(case, device)
 
     def step() -> None:
         step_fn(model, head, [(images, labels)], optimizer, precision, None)
 
-    for _ in range(case.warmup):
-        step()
-    _sync(device, True)
-    _reset_peak(device)
-    step()
-    peak = _peak(device) - base
-    step_s = _timed(step, device, case.steps, group=True)
+    step_s, peak = _measure(case, device, step, base, group=True)
 
     # Busy time: this stage's forward and backward of one micro-batch alone, m times.
+    input_meta, output_meta = step_fn.input_meta, step_fn.output_meta
     x = torch.randn(input_meta.shape, dtype=input_meta.dtype, device=device)
     x.requires_grad_(not layout.is_first)
     grad = torch.randn(output_meta.shape, dtype=output_meta.dtype, device=device)
@@ -265,7 +252,7 @@ def _pipelined(case: Case, rank: int, world: int, device: torch.device) -> dict[
 
     busy = _timed(alone, device, max(2, case.steps), group=False) * case.num_micro
     optimizer.zero_grad(set_to_none=True)
-    result = {"step_s": step_s, "peak_bytes": peak, "busy_s": busy, "units": list(ranges)}
+    result = {"step_s": step_s, "peak_bytes": peak, "busy_s": busy}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, result)
     return {
@@ -279,7 +266,7 @@ def _pipelined(case: Case, rank: int, world: int, device: torch.device) -> dict[
 def worker(rank: int, case: Case, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(case.threads_per_stage * (case.stages if case.micro == 0 else 1))
+    torch.set_num_threads(case.threads)
     device = torch.device(case.device)
     if device.type == "cuda":
         device = torch.device("cuda", rank)
@@ -344,7 +331,6 @@ def cases_for(args: argparse.Namespace, backbone: str) -> list[Case]:
         batch=args.batch,
         stages=args.stages,
         device=args.device,
-        threads_per_stage=args.threads_per_stage,
         num_classes=args.classes,
         embedding_size=args.embedding_size,
         precision=args.precision,

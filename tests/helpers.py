@@ -3,6 +3,8 @@ point a config at it."""
 
 from __future__ import annotations
 
+import datetime
+import os
 from pathlib import Path
 
 import numpy as np
@@ -46,3 +48,20 @@ def tiny_run_overrides(root: Path, out: Path, *extra: str) -> list[str]:
         "eval.targets=[]",
         *extra,
     ]
+
+
+def init_gloo_rank(rank: int, world_size: int, port: int, timeout_s: float = 120.0) -> None:
+    """Join a CPU (gloo) process group as `rank` of `world_size` on localhost:`port`, with the
+    torchrun environment that `train()` reads, and one intra-op thread."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))

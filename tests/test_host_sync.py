@@ -19,7 +19,6 @@ hooks at logging steps (`log_due`), and before and after the epochs and the run.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import traceback
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import make_image_folder, tiny_run_overrides
+from helpers import init_gloo_rank, make_image_folder, tiny_run_overrides
 from test_pipeline import free_port
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -286,15 +285,7 @@ def test_the_watcher_sees_a_sync_that_creeps_back(image_folder, tmp_path, monkey
 
 
 def _rank_main(rank: int, port: int, args: list[str], out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    init_gloo_rank(rank, 2, port)
     watcher = SyncWatcher()
     with pytest.MonkeyPatch.context() as monkeypatch:
         watch_steady_state(monkeypatch, watcher)

@@ -11,7 +11,6 @@ checkpoint of either resumes in the other on the curve of the run that went on.
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import os
@@ -21,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import make_image_folder, tiny_run_overrides
+from helpers import init_gloo_rank, make_image_folder, tiny_run_overrides
 from test_pipeline import free_port
 
 from recognition import checkpoint as ckpt
@@ -73,15 +72,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def _rank_main(rank: int, port: int, jobs: list[list[str]]) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    init_gloo_rank(rank, 2, port)
     for job in jobs:
         run(job)
     dist.barrier()

@@ -49,13 +49,10 @@ from recognition.pipeline import (
     describe_stages,
     gather_backbone,
     make_layout,
-    send_contiguous,
-    stage_io,
     unit_costs,
-    wrap_stage,
 )
 from recognition.precision import Precision, StepResult
-from recognition.training.pipeline_step import PipelineStep
+from recognition.training.pipeline_step import PipelineStep, build_pipeline_step
 from recognition.training.state import Progress, RngState
 from recognition.training.step import train_step
 
@@ -395,7 +392,6 @@ def _build_pipeline(
             )
         stage = nn.SyncBatchNorm.convert_sync_batchnorm(stage, process_group=layout.dp_group)
     stage = stage.to(device, memory_format=memory_format)
-    send_contiguous(stage, layout, memory_format)
     head = None
     if layout.is_last:
         head = build_head(
@@ -407,20 +403,17 @@ def _build_pipeline(
             group=layout.dp_group,
         )
     precision.prepare(*([stage] if head is None else [stage, head]))
-    micro = cfg.train.batch_size // cfg.micro_batches
-    images = precision.cast_inputs(torch.empty(micro, 3, *image_hw, device="meta"))
-    input_meta, output_meta = stage_io(stage, layout, images, precision, device)
-    model = wrap_stage(stage, layout, device)
-    step = PipelineStep(
-        model,
+    model, step = build_pipeline_step(
+        stage,
         layout,
         head,
-        num_micro=cfg.micro_batches,
-        schedule=cfg.model.pipeline_schedule,
-        input_meta=input_meta,
-        output_meta=output_meta,
-        precision=precision,
+        precision,
         device=device,
+        image_hw=image_hw,
+        micro_batch_size=cfg.train.batch_size // cfg.micro_batches,
+        schedule=cfg.model.pipeline_schedule,
+        num_micro=cfg.micro_batches,
+        memory_format=memory_format,
     )
     # The whole model's optimizer order, which a checkpoint's optimizer state is keyed by.
     with torch.device("meta"):

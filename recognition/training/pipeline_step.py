@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from recognition import distributed
-from recognition.pipeline import PipelineLayout
+from recognition.pipeline import PipelineLayout, send_contiguous, stage_io, wrap_stage
 from recognition.precision import Precision, StepResult
 from recognition.training.step import global_grad_norm
 
@@ -61,6 +61,7 @@ class PipelineStep:
     ) -> None:
         self.layout = layout
         self.head = head
+        self.input_meta, self.output_meta = input_meta, output_meta
         self.num_micro = num_micro
         self.precision = precision
         self.device = device
@@ -151,3 +152,39 @@ class PipelineStep:
         has_accuracy = self.head is None or bool(self._accuracies)  # a list, not a tensor
         accuracy = stats[1] / self.num_micro if has_accuracy else None
         return loss, accuracy, finite
+
+
+def build_pipeline_step(
+    stage: nn.Module,
+    layout: PipelineLayout,
+    head: nn.Module | None,
+    precision: Precision,
+    *,
+    device: torch.device,
+    image_hw: tuple[int, int],
+    micro_batch_size: int,
+    schedule: str,
+    num_micro: int,
+    memory_format: torch.memory_format = torch.preserve_format,
+) -> tuple[nn.Module, PipelineStep]:
+    """The stage as the schedule runs it (in DDP over its replicas) and the step.
+
+    Collective over the pipeline (the stages' micro-batch shapes are passed along). Call
+    after `precision.prepare` of the stage and the head, on the device.
+    """
+    send_contiguous(stage, layout, memory_format)
+    images = precision.cast_inputs(torch.empty(micro_batch_size, 3, *image_hw, device="meta"))
+    input_meta, output_meta = stage_io(stage, layout, images, precision, device)
+    model = wrap_stage(stage, layout, device)
+    step = PipelineStep(
+        model,
+        layout,
+        head,
+        num_micro=num_micro,
+        schedule=schedule,
+        input_meta=input_meta,
+        output_meta=output_meta,
+        precision=precision,
+        device=device,
+    )
+    return model, step
