@@ -391,20 +391,22 @@ def plot(records: list[dict], path: Path) -> None:
     for ax, backbone in zip(axes[0], backbones, strict=True):
         mine = [r for r in records if r["backbone"] == backbone and "error" not in r]
         for schedule in ("gpipe", "1f1b"):
+            # The unpipelined case is GPipe with one micro-batch: the curve's right end.
             points = sorted(
                 (r["micro"], 1000 * r["step_s"])
                 for r in mine
-                if r["schedule"] == schedule and r["kind"] == "pipelined"
+                if r["schedule"] == schedule and r["micro"] > 0
             )
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", label=f"pipelined, {schedule}")
+        colors = iter(["tab:green", "tab:red", "tab:purple"])
         for r in mine:
             if r["kind"] != "pipelined":
                 one = r["kind"].startswith("one device")
                 ax.axhline(
                     1000 * r["step_s"],
                     linestyle="--" if one else ":",
-                    color=None if one else "black",
+                    color=next(colors) if one else "black",
                     label=r["kind"],
                 )
         ax.set_xscale("log", base=2)

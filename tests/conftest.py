@@ -57,3 +57,12 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def image_folder(tmp_path_factory):
+    """The tiny training image folder of tests/helpers.py (12 identities x 6 images), made
+    once per session; tests read it and never change it."""
+    from helpers import make_image_folder
+
+    return make_image_folder(tmp_path_factory.mktemp("faces"))

@@ -65,3 +65,14 @@ def init_gloo_rank(rank: int, world_size: int, port: int, timeout_s: float = 120
     )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def tiny_config(root: Path, out: Path, *extra: str):
+    """The default config on `tiny_run_overrides` with a 1/8-width IResNet-18 and batches of 8
+    (9 steps per epoch of the tiny folder); `extra` comes last and wins."""
+    from recognition.config import load_config
+
+    return load_config(
+        "default",
+        tiny_run_overrides(root, out, "model.backbone=iresnet18", "train.batch_size=8", *extra),
+    )

@@ -18,7 +18,6 @@ groups (one per world size: spawning is the slow part).
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import signal
@@ -33,7 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import folder_overrides, make_image_folder, tiny_run_overrides
+from helpers import folder_overrides, init_gloo_rank, tiny_run_overrides
 from torch import nn
 
 import recognition.training.build as training_build
@@ -58,11 +57,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def image_folder(tmp_path_factory) -> Path:
-    return make_image_folder(tmp_path_factory.mktemp("faces"))
 
 
 def tiny_overrides(image_folder: Path, out: Path, world_size: int, *extra: str) -> list[str]:
@@ -183,16 +177,8 @@ def check_resharded_state(saved: Path, resaved: Path) -> list[str]:
 def _rank_main(
     rank: int, world_size: int, port: int, jobs: list[list[str]], out: str, state_check: bool
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-    )
-    torch.set_num_threads(1)
+    init_gloo_rank(rank, world_size, port, timeout_s=60)
     training_build.backbone_from_config = build_tiny_backbone
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     for overrides in jobs:
         if "model.sync_bn=true" in overrides:
             # torch's SyncBatchNorm refuses CPU tensors: the run must say so before training.

@@ -5,35 +5,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import helpers
 import numpy as np
 import pytest
 import torch
-from helpers import make_image_folder, tiny_run_overrides
 
 from recognition import checkpoint as ckpt
-from recognition.config import load_config
 from recognition.heads import ShardedMarginSoftmax, build_margin
 from recognition.precision import Precision
 from recognition.training import TrainingError, train, train_step
 
 
-@pytest.fixture(scope="module")
-def image_folder(tmp_path_factory) -> Path:
-    return make_image_folder(tmp_path_factory.mktemp("faces"))
-
-
 def tiny_config(image_folder: Path, out: Path, *extra: str):
-    return load_config(
-        "default",
-        tiny_run_overrides(
-            image_folder,
-            out,
-            "model.backbone=iresnet18",
-            "train.batch_size=8",
-            "train.epochs=2",
-            "optim.warmup_epochs=0.5",
-            *extra,
-        ),
+    return helpers.tiny_config(
+        image_folder, out, "train.epochs=2", "optim.warmup_epochs=0.5", *extra
     )
 
 

@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import init_gloo_rank, make_image_folder, tiny_run_overrides
+from helpers import init_gloo_rank, tiny_config, tiny_run_overrides
 from test_pipeline import free_port
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -215,25 +215,9 @@ def assert_no_syncs(watcher: SyncWatcher) -> None:
     assert not watcher.syncs, f"{len(watcher.syncs)} host syncs, the first:\n{watcher.syncs[0]}"
 
 
-@pytest.fixture(scope="module")
-def image_folder(tmp_path_factory) -> Path:
-    return make_image_folder(tmp_path_factory.mktemp("faces"))
-
-
 def config(image_folder: Path, out: Path, *extra: str):
     # 9 steps per epoch: 7 steps log at 3, 6 and 7, the steps between are watched.
-    return load_config(
-        "default",
-        tiny_run_overrides(
-            image_folder,
-            out,
-            "model.backbone=iresnet18",
-            "train.batch_size=8",
-            "train.max_steps=7",
-            "train.log_every=3",
-            *extra,
-        ),
-    )
+    return tiny_config(image_folder, out, "train.max_steps=7", "train.log_every=3", *extra)
 
 
 CASES = {

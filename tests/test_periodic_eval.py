@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_run_overrides
+from helpers import init_gloo_rank, tiny_run_overrides
 from PIL import Image
 
 from recognition import checkpoint as ckpt
@@ -171,17 +171,11 @@ def test_only_an_improvement_replaces_the_best(tmp_path, metric, values, best_st
 
 
 def _rank_main(rank: int, port: int, jobs: list[list[str]], out: str) -> None:
-    import datetime
     import os
 
     import torch.distributed as dist
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    init_gloo_rank(rank, 2, port, timeout_s=60)
     outcomes = []
     for overrides in jobs:
         try:

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import init_gloo_rank, make_image_folder, tiny_run_overrides
+from helpers import init_gloo_rank, tiny_run_overrides
 from test_pipeline import free_port
 
 from recognition import checkpoint as ckpt
@@ -30,11 +30,6 @@ from recognition.training import train
 NUM_STEPS = 6
 RESUME_STEP = 3
 RTOL = 2e-5  # float32 in different reduction orders over 6 steps
-
-
-@pytest.fixture(scope="module")
-def image_folder(tmp_path_factory) -> Path:
-    return make_image_folder(tmp_path_factory.mktemp("faces"))
 
 
 def overrides(image_folder: Path, out: Path, stages: int, *extra: str) -> list[str]:
@@ -168,3 +163,42 @@ def test_two_stages_train_like_one_with_accumulation_and_resume_across_layouts(
     assert tuple(entries["head/weight"].size) == (12, 16)
     log = (p2 / "train.log").read_text()
     assert "pipeline: 2 stages x 1 data-parallel replicas, 2 micro-batches of 4 (1f1b)" in log
+
+
+def test_torchrun_two_stages_trains_evaluates_and_exports(image_folder, tmp_path):
+    """The command line: torchrun, two processes, two stages, evaluation at the end."""
+    import subprocess
+
+    from test_distributed_training import REPO, child_env, torchrun
+
+    out = tmp_path / "run"
+    # An LFW-layout copy of 6 identities and a pairs file over it: 2 folds of 3 + 3 pairs.
+    val = tmp_path / "val"
+    for c in range(6):
+        (val / f"id{c:02d}").mkdir(parents=True)
+        for n in range(4):
+            image = (image_folder / f"id{c:02d}" / f"{n}.jpg").read_bytes()
+            (val / f"id{c:02d}" / f"id{c:02d}_{n + 1:04d}.jpg").write_bytes(image)
+    lines = ["2\t3"]
+    for fold in range(2):
+        lines += [f"id{c:02d}\t{fold + 1}\t{fold + 3}" for c in range(3)]
+        lines += [f"id{c:02d}\t{fold + 1}\tid{c + 3:02d}\t{fold + 2}" for c in range(3)]
+    pairs = val / "pairs.txt"
+    pairs.write_text("\n".join(lines) + "\n")
+    args = tiny_run_overrides(
+        image_folder, out, "model.pipeline_stages=2", "train.batch_size=8", "train.max_steps=4",
+        f"eval.targets=[{{name: tiny, pairs: {pairs}}}]",
+    )  # fmt: skip
+    command = torchrun(
+        "--nproc_per_node", "2", "--master_port", str(free_port()), str(REPO / "train.py"), *args
+    )  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, env=child_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4]
+    assert "pipeline: 2 stages" in (out / "train.log").read_text()
+    result = json.loads((out / "eval.json").read_text())
+    assert result["tiny"]["num_pairs"] == 12
+    model_cfg, _, exported = ckpt.load_backbone_file(out / "backbone.pt")
+    assert (
+        model_cfg["pipeline_stages"] == 2 and "fc.weight" in exported and "conv1.weight" in exported
+    )

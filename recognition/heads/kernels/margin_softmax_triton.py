@@ -309,6 +309,19 @@ def _class_rows(ROW_INDEX, offs_c, c_mask, HAS_INDEX: tl.constexpr):
 
 
 @triton.jit
+def _class_block(
+    ROW_INDEX, INV_NORM, first, num_classes, HAS_INDEX: tl.constexpr, BLOCK_C: tl.constexpr
+):
+    """The tile of BLOCK_C classes from position `first`: positions, their mask, their rows
+    of the weight (through ROW_INDEX with partial FC) and their inverse norms."""
+    offs_c = first + tl.arange(0, BLOCK_C)
+    c_mask = offs_c < num_classes
+    rows = _class_rows(ROW_INDEX, offs_c, c_mask, HAS_INDEX)
+    inv_norm = tl.load(INV_NORM + offs_c, mask=c_mask, other=0.0)
+    return offs_c, c_mask, rows, inv_norm
+
+
+@triton.jit
 def _raw_dots(
     W, E, rows, c_mask, offs_n, n_mask, dim, stride_wc, stride_en,
     BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_PAD: tl.constexpr,
@@ -353,10 +366,10 @@ def _forward_kernel(
     row_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     row_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for t in range(0, tiles_per_split):
-        offs_c = (pid_s * tiles_per_split + t) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_mask = offs_c < num_classes
-        rows = _class_rows(ROW_INDEX, offs_c, c_mask, HAS_INDEX)
-        inv_norm = tl.load(INV_NORM + offs_c, mask=c_mask, other=0.0)
+        offs_c, c_mask, rows, inv_norm = _class_block(
+            ROW_INDEX, INV_NORM, (pid_s * tiles_per_split + t) * BLOCK_C, num_classes,
+            HAS_INDEX, BLOCK_C,
+        )  # fmt: skip
         raw = _raw_dots(
             W, E, rows, c_mask, offs_n, n_mask, dim, stride_wc, stride_en,
             BLOCK_C, BLOCK_N, BLOCK_D, D_PAD, MM_DTYPE, INPUT_PRECISION, UPCAST,
@@ -397,10 +410,10 @@ def _grad_embeddings_kernel(
     d_mask = offs_d < dim
     acc = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
     for t in range(0, tiles_per_split):
-        offs_c = (pid_s * tiles_per_split + t) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_mask = offs_c < num_classes
-        rows = _class_rows(ROW_INDEX, offs_c, c_mask, HAS_INDEX)
-        inv_norm = tl.load(INV_NORM + offs_c, mask=c_mask, other=0.0)
+        offs_c, c_mask, rows, inv_norm = _class_block(
+            ROW_INDEX, INV_NORM, (pid_s * tiles_per_split + t) * BLOCK_C, num_classes,
+            HAS_INDEX, BLOCK_C,
+        )  # fmt: skip
         raw = _raw_dots(
             W, E, rows, c_mask, offs_n, n_mask, dim, stride_wc, stride_en,
             BLOCK_C, BLOCK_N, BLOCK_D, D_PAD, MM_DTYPE, INPUT_PRECISION, UPCAST,
@@ -474,10 +487,9 @@ def _grad_weight_kernel(
     EPILOGUE_SPLITS: tl.constexpr, MM_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):  # fmt: skip
-    offs_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_mask = offs_c < num_classes
-    rows = _class_rows(ROW_INDEX, offs_c, c_mask, HAS_INDEX)
-    inv_norm = tl.load(INV_NORM + offs_c, mask=c_mask, other=0.0)
+    offs_c, c_mask, rows, inv_norm = _class_block(
+        ROW_INDEX, INV_NORM, tl.program_id(0) * BLOCK_C, num_classes, HAS_INDEX, BLOCK_C
+    )
     offs_d = tl.arange(0, D_PAD)
     d_mask = offs_d < dim
     # Transposed, (D_PAD, BLOCK_C): the long side is the matmul's M, which a narrow class
