@@ -151,15 +151,7 @@ def run_loader(work: Path, num_images: int, repeats: int, batch_size: int) -> li
     from recognition.data.synthetic import SyntheticSpec, ensure_synthetic_dataset
 
     per = 16
-    spec = SyntheticSpec(
-        num_identities=max(1, num_images // per),
-        images_per_identity=per,
-        num_val_identities=2,
-        val_images_per_identity=2,
-        num_folds=1,
-        pairs_per_fold=1,
-        image_size=112,
-    )
+    spec = SyntheticSpec.training_set(max(1, num_images // per), per)
     ensure_synthetic_dataset(work / "synthetic", spec)
     folder = work / "synthetic" / "train"
     if not (work / "rec" / "train.rec").exists():

@@ -33,6 +33,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks import table
+
 H100_SHARED_BYTES = 232_448  # opt-in shared memory per block on sm_90
 DTYPES = {"float32": "fp32", "tf32": "tf32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -278,18 +280,25 @@ def _measure(dims, weight_dtypes, matmul_dtypes, capability, num_rows, num_sms, 
 
 
 def print_table(results: list[Resources]) -> None:
-    header = (
-        f"{'D':>5} {'weight':>6} {'matmul':>6} {'kernel variant':<44} {'tiles CxNxD':<21} "
-        f"{'shared B':>9} {'regs':>4} {'spill st/ld':>11}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        mark = "" if r.ok else "  <-- over the limit" if r.spill_stores == 0 else "  <-- spills"
-        print(
-            f"{r.dim:>5} {r.weight_dtype:>6} {r.matmul:>6} {r.variant:<44} {r.tiles:<21} "
-            f"{r.shared_bytes:>9,} {r.registers:>4} {r.spill_stores:>5}/{r.spill_loads:<5}{mark}"
-        )
+    columns = [
+        ("D", 5), ("weight", 6), ("matmul", 6), ("kernel variant", -44), ("tiles CxNxD", -21),
+        ("shared B", 9), ("regs", 4), ("spill st/ld", -11), ("", -20),
+    ]  # fmt: skip
+    rows = [
+        [
+            r.dim,
+            r.weight_dtype,
+            r.matmul,
+            r.variant,
+            r.tiles,
+            f"{r.shared_bytes:,}",
+            r.registers,
+            f"{r.spill_stores:>5}/{r.spill_loads}",
+            "" if r.ok else "<-- over the limit" if r.spill_stores == 0 else "<-- spills",
+        ]  # fmt: skip
+        for r in results
+    ]
+    table.print_table(columns, rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks import table  # noqa: E402
 from benchmarks.head import _proc_status_kib, _reset_peak_rss, _set_mmap_threshold  # noqa: E402
 from recognition.config import (  # noqa: E402
     HeadConfig,
@@ -355,29 +356,35 @@ def cases_for(args: argparse.Namespace, backbone: str) -> list[Case]:
     return cases
 
 
+COLUMNS = [
+    ("backbone", -14), ("what", -27), ("sched", -6), ("micro", 5), ("m", 3), ("ms/step", 9),
+    ("img/s", 7), ("vs naive", 8), ("peak MiB per rank", -22), ("bubble", 6),
+    ("idle/rank", -14),
+]  # fmt: skip
+
+
 def print_table(records: list[dict]) -> None:
-    header = (
-        f"{'backbone':<14} {'what':<27} {'sched':<6} {'micro':>5} {'m':>3} {'ms/step':>9} "
-        f"{'img/s':>7} {'vs naive':>8} {'peak MiB per rank':<22} {'bubble':>6} {'idle/rank':<14}"
-    )
-    print(header)
-    print("-" * len(header))
     naive = {r["backbone"]: r.get("step_s") for r in records if r["kind"].startswith("P stages")}
+    rows = []
     for r in records:
+        what = [r["backbone"], r["kind"], r["schedule"], r["micro"] or r["batch"]]
         if "error" in r:
-            what = f"{r['backbone']:<14} {r['kind']:<27} {r['schedule']:<6} {r['micro']:>5}"
-            print(f"{what} error: {r['error']}")
+            rows.append([*what, f"error: {r['error']}"])
             continue
-        speedup = (
-            naive.get(r["backbone"]) / r["step_s"] if naive.get(r["backbone"]) else float("nan")
+        reference = naive.get(r["backbone"])
+        rows.append(
+            [
+                *what,
+                r["num_micro"],
+                f"{1000 * r['step_s']:.1f}",
+                f"{r['batch'] / r['step_s']:.1f}",
+                f"{reference / r['step_s']:.2f}x" if reference else "-",
+                " / ".join(f"{p / 2**20:.0f}" for p in r["peak_bytes"]),
+                f"{100 * r.get('bubble', 0):.0f}%",
+                " / ".join(f"{100 * i:.0f}%" for i in r.get("idle", [])),
+            ]
         )
-        peaks = " / ".join(f"{p / 2**20:.0f}" for p in r["peak_bytes"])
-        idle = " / ".join(f"{100 * i:.0f}%" for i in r.get("idle", []))
-        print(
-            f"{r['backbone']:<14} {r['kind']:<27} {r['schedule']:<6} {r['micro'] or r['batch']:>5} "
-            f"{r['num_micro']:>3} {1000 * r['step_s']:>9.1f} {r['batch'] / r['step_s']:>7.1f} "
-            f"{speedup:>7.2f}x {peaks:<22} {100 * r.get('bubble', 0):>5.0f}% {idle:<14}"
-        )
+    table.print_table(COLUMNS, rows)
 
 
 def plot(records: list[dict], path: Path) -> None:

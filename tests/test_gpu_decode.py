@@ -344,16 +344,7 @@ def test_nvjpeg_batches_match_the_cpu_path_within_tolerance(tmp_path: Path):
     The differences measured are printed (pytest -s)."""
     from recognition.data.synthetic import SyntheticSpec, ensure_synthetic_dataset
 
-    spec = SyntheticSpec(
-        num_identities=16,
-        images_per_identity=8,
-        num_val_identities=2,
-        val_images_per_identity=2,
-        num_folds=1,
-        pairs_per_fold=1,
-        image_size=112,
-    )
-    ensure_synthetic_dataset(tmp_path / "synthetic", spec)
+    ensure_synthetic_dataset(tmp_path / "synthetic", SyntheticSpec.training_set(16, 8))
     source = ImageFolderDataset(tmp_path / "synthetic" / "train", 112)
     keys = keys_of(source)
     expected = torch.stack([AugmentedView(source, flip=True)[key][0] for key in keys])

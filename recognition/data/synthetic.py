@@ -85,6 +85,22 @@ class SyntheticSpec:
     seed: int = 0
     """Seed of everything; the same spec always gives byte-identical files."""
 
+    @classmethod
+    def training_set(
+        cls, num_identities: int, images_per_identity: int, image_size: int = 112
+    ) -> SyntheticSpec:
+        """A spec for training images alone: the smallest held-out part the layout needs (2
+        identities of 2 images, one fold of one pair each way)."""
+        return cls(
+            num_identities=num_identities,
+            images_per_identity=images_per_identity,
+            num_val_identities=2,
+            val_images_per_identity=2,
+            num_folds=1,
+            pairs_per_fold=1,
+            image_size=image_size,
+        )
+
     def __post_init__(self) -> None:
         for name in (
             "num_identities",

@@ -16,6 +16,7 @@ carries identity information that global pooling would throw away.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -207,27 +208,13 @@ class IResNet(UnitChain):
         return self.get_submodule(unit)(x)
 
 
-def iresnet(
-    name: str,
-    *,
-    embedding_size: int = 512,
-    width: float = 1.0,
-    dropout: float = 0.0,
-    image_size: int | tuple[int, int] = 112,
-    zero_init_residual: bool = False,
-) -> IResNet:
+def iresnet(name: str, **kwargs: Any) -> IResNet:
     """The IResNet called `name` (a key of IRESNET_LAYERS: "iresnet50" has 3, 4, 14, 3
-    blocks per stage); see `IResNet` for the other arguments."""
+    blocks per stage), built with `IResNet`'s keyword arguments (embedding_size, width,
+    dropout, image_size, zero_init_residual)."""
     if name not in IRESNET_LAYERS:
         raise ValueError(f"unknown IResNet {name!r} (choose from {', '.join(IRESNET_LAYERS)})")
-    return IResNet(
-        IRESNET_LAYERS[name],
-        embedding_size=embedding_size,
-        width=width,
-        dropout=dropout,
-        image_size=image_size,
-        zero_init_residual=zero_init_residual,
-    )
+    return IResNet(IRESNET_LAYERS[name], **kwargs)
 
 
 # iresnet18(...) ... iresnet200(...): the table's depths by name.
