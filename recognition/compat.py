@@ -19,7 +19,7 @@ from importlib import metadata
 MIN_TORCH = (2, 11)
 
 
-def _release(version: str) -> tuple[int, ...]:
+def release(version: str) -> tuple[int, ...]:
     """(2, 11, 0) from '2.11.0+cu130', '2.12.0a0+git...', '2.11'."""
     match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
     if match is None:
@@ -34,7 +34,7 @@ def torch_version_error(version: str | None = None) -> str | None:
             version = metadata.version("torch")
         except metadata.PackageNotFoundError:
             return "torch is not installed: pip install -r requirements.txt"
-    if _release(version)[:2] >= MIN_TORCH:
+    if release(version)[:2] >= MIN_TORCH:
         return None
     minimum = ".".join(str(part) for part in MIN_TORCH)
     return (

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from recognition.compat import release
 from recognition.config import OptimConfig
 from recognition.sharded import mark_like
 
@@ -51,19 +52,38 @@ def _split_decay(
 
 
 def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """SGD with momentum or AdamW over prepared parameter groups, fused.
+    """SGD with momentum or AdamW over prepared parameter groups, fused where that is sound.
 
     Fused (one multi-tensor kernel per device and dtype) because only a fused optimizer can
     skip a step on the device: `Precision.step` hands it the step's inf/NaN flag as
     `found_inf`, so a training step needs no host synchronisation. On the CPU fused SGD gives
     the same bits as torch's default SGD; fused AdamW (and both on a GPU, against the default
-    multi-tensor code) may round the last bit differently.
+    multi-tensor code) may round the last bit differently. See `fused_is_sound` for where
+    the default implementation is used instead.
     """
+    fused = fused_is_sound([p for group in groups for p in group["params"]])
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=True)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=True)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
     raise ValueError(f"optim.name: unknown optimizer {cfg.name!r}")
+
+
+# The first torch release whose CPU fused SGD was checked right on half parameters: on 2.11
+# its momentum of bf16 / fp16 tensors of 32 elements or more is garbage (|buffer - grad| up
+# to 1e26 after a step from a zero buffer, against 0 on 2.14; fp32 is right on both).
+CPU_HALF_FUSED_FROM = (2, 14)
+
+
+def fused_is_sound(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused optimizers compute right on `params` with this torch: always on
+    CUDA and for float32 / float64; for half-precision parameters on the CPU (precision O3 on
+    a CPU) only from CPU_HALF_FUSED_FROM on. Elsewhere the default implementation is used,
+    and Precision.step reads its skip flag on the host (one synchronisation per step)."""
+    half_on_cpu = any(
+        p.device.type == "cpu" and p.dtype in (torch.float16, torch.bfloat16) for p in params
+    )
+    return not half_on_cpu or release(torch.__version__)[:2] >= CPU_HALF_FUSED_FROM
 
 
 class OptimizerState:

@@ -249,8 +249,9 @@ def stage_io(
     Collective over the pipeline group. Each stage in turn runs a zero micro-batch of the
     previous stage's output in eval mode under the run's precision (so the dtypes are the
     ones autocast or a half model give, and no BatchNorm statistic moves) and passes its
-    output's shape and dtype on. `input_meta` is the first stage's input; later stages get
-    theirs from the previous one. Given to `PipelineStage`, these spare it torch's own
+    output's shape and dtype on. `input_meta` is the first stage's input, in the images'
+    memory format (some torch releases check the strides); later stages get theirs from
+    the previous one. Given to `PipelineStage`, these spare it torch's own
     shape inference, which would run the stages in training mode.
     """
     shape_dtype: tuple[tuple[int, ...], torch.dtype] | None = None
@@ -275,11 +276,15 @@ def stage_io(
         shape_dtype = distributed.broadcast_object(shape_dtype, src=source, group=layout.pp_group)
     assert mine_in is not None and mine_out is not None
     # requires_grad marks what carries a gradient back: every activation between stages,
-    # not the images.
+    # not the images. The first stage keeps `input_meta` as given: its strides (the images'
+    # memory format) are checked against the micro-batches by some torch releases.
+    if layout.is_first:
+        assert input_meta is not None
+        stage_input = input_meta.detach()
+    else:
+        stage_input = torch.empty(mine_in[0], dtype=mine_in[1], device="meta").requires_grad_()
     return (
-        torch.empty(mine_in[0], dtype=mine_in[1], device="meta").requires_grad_(
-            not layout.is_first
-        ),
+        stage_input,
         torch.empty(mine_out[0], dtype=mine_out[1], device="meta").requires_grad_(),
     )
 

@@ -173,7 +173,8 @@ def build_pipeline_step(
     after `precision.prepare` of the stage and the head, on the device.
     """
     send_contiguous(stage, layout, memory_format)
-    images = precision.cast_inputs(torch.empty(micro_batch_size, 3, *image_hw, device="meta"))
+    images = torch.empty(micro_batch_size, 3, *image_hw, device="meta")
+    images = precision.cast_inputs(images).contiguous(memory_format=_images_format(memory_format))
     input_meta, output_meta = stage_io(stage, layout, images, precision, device)
     model = wrap_stage(stage, layout, device)
     step = PipelineStep(
@@ -188,3 +189,8 @@ def build_pipeline_step(
         device=device,
     )
     return model, step
+
+
+def _images_format(memory_format: torch.memory_format) -> torch.memory_format:
+    """The memory format the loop gives the images in (preserve: as loaded, contiguous)."""
+    return torch.contiguous_format if memory_format == torch.preserve_format else memory_format
