@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import recognition.training.loop as loop
 from recognition.config import load_config
+from recognition.optim import fused_is_sound
 from recognition.training import train
 from recognition.training.hooks import Hook, log_due
 
@@ -241,7 +242,17 @@ def test_steady_state_steps_do_not_sync_on_cpu(image_folder, tmp_path, monkeypat
     watcher = SyncWatcher()
     watch_steady_state(monkeypatch, watcher)
     run_dir = train(config(image_folder, tmp_path / "run", *CASES[case]))
-    assert_no_syncs(watcher)
+    half = torch.zeros(1, dtype=torch.bfloat16, requires_grad=True)
+    if case.startswith("O3") and not fused_is_sound([half]):
+        # bf16 parameters on a CPU below torch 2.14: the optimizer is not fused (2.11's
+        # fused SGD is wrong there), so its step reads on the host (Precision.step its skip
+        # flag, torch's AdamW its step counts), and nothing else does.
+        assert watcher.syncs
+        assert all(
+            "recognition/precision.py" in sync or "torch/optim/" in sync for sync in watcher.syncs
+        ), [sync for sync in watcher.syncs if "torch/optim/" not in sync]
+    else:
+        assert_no_syncs(watcher)
     assert (run_dir / "metrics.jsonl").read_text().count('"step"') == 3  # steps 3, 6, 7
 
 
