@@ -58,13 +58,11 @@ cases use two cores where naive uses one - the W = 1 rows compare like with like
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import gc
 import json
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -72,6 +70,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from benchmarks.memory import proc_status_kib, reset_peak_rss, set_mmap_threshold
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,33 +102,6 @@ class Case:
 
 
 # ---------------------------------------------------------------- measurement helpers
-
-
-def _proc_status_kib(field: str) -> int | None:
-    try:
-        text = Path("/proc/self/status").read_text()
-    except OSError:
-        return None
-    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
-    return int(match.group(1)) if match else None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS counter (VmHWM) to the current RSS; False if impossible."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-def _set_mmap_threshold(num_bytes: int) -> bool:
-    """glibc mallopt(M_MMAP_THRESHOLD): allocations above `num_bytes` use mmap; False if absent."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, num_bytes))  # -3: M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
 
 
 class CommCounter:
@@ -315,7 +288,7 @@ def run_rank(case: Case, rank: int, rendezvous: str) -> dict:
     # Memory is measured with every CPU allocation above 64 KiB served by mmap, so that a
     # freed tensor leaves the RSS at once; time is measured afterwards with a 32 MiB threshold
     # (glibc's default once warmed up), where allocations are recycled as usual.
-    precise_rss = device.type == "cpu" and _set_mmap_threshold(64 * 1024)
+    precise_rss = device.type == "cpu" and set_mmap_threshold(64 * 1024)
     # A step of the same method on a tiny problem first: the kernels' code pages and the
     # runtime's first-use buffers (a couple of hundred MiB of RSS on CPU) then belong to the
     # baseline, not to the case.
@@ -327,7 +300,7 @@ def run_rank(case: Case, rank: int, rendezvous: str) -> dict:
     if device.type == "cuda":
         base = torch.cuda.memory_allocated(device)
     else:
-        base = _proc_status_kib("VmRSS") * 1024
+        base = proc_status_kib("VmRSS") * 1024
     step, num_rows = _build(case, rank, device)
     for _ in range(case.warmup):
         step()
@@ -337,7 +310,7 @@ def run_rank(case: Case, rank: int, rendezvous: str) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         peak_method = "torch.cuda.max_memory_allocated"
-    elif _reset_peak_rss():
+    elif reset_peak_rss():
         peak_method = "VmHWM after clear_refs" + (", mmap threshold 64 KiB" if precise_rss else "")
     else:
         peak_method = "ru_maxrss (whole process)"
@@ -348,7 +321,7 @@ def run_rank(case: Case, rank: int, rendezvous: str) -> dict:
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) - base
     elif peak_method.startswith("VmHWM"):
-        peak = _proc_status_kib("VmHWM") * 1024 - base
+        peak = proc_status_kib("VmHWM") * 1024 - base
     else:
         import resource
 
@@ -358,7 +331,7 @@ def run_rank(case: Case, rank: int, rendezvous: str) -> dict:
 
     # ---- time: median of --steps steps
     if precise_rss:
-        _set_mmap_threshold(32 * 1024 * 1024)
+        set_mmap_threshold(32 * 1024 * 1024)
         step()  # let the allocator settle into the new threshold
     times = []
     for _ in range(case.steps):

@@ -53,7 +53,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import table  # noqa: E402
-from benchmarks.head import _proc_status_kib, _reset_peak_rss, _set_mmap_threshold  # noqa: E402
+from benchmarks.memory import proc_status_kib, reset_peak_rss, set_mmap_threshold  # noqa: E402
 from recognition.config import (  # noqa: E402
     HeadConfig,
     ModelConfig,
@@ -108,20 +108,20 @@ def model_config(case: Case, stages: int) -> ModelConfig:
 def _memory_now(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
-    return (_proc_status_kib("VmRSS") or 0) * 1024
+    return (proc_status_kib("VmRSS") or 0) * 1024
 
 
 def _reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     else:
-        _reset_peak_rss()
+        reset_peak_rss()
 
 
 def _peak(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return (_proc_status_kib("VmHWM") or 0) * 1024
+    return (proc_status_kib("VmHWM") or 0) * 1024
 
 
 def _sync(device: torch.device, group: bool) -> None:
@@ -213,7 +213,7 @@ def _pipelined(case: Case, rank: int, world: int, device: torch.device) -> dict[
 
     layout = make_layout(case.stages, DistInfo(rank=rank, world_size=world, device=device))
     base = _memory_now(device)
-    stage, ranges = build_stage_backbone(model_config(case, case.stages), case.image_hw, layout, 0)
+    stage, plan = build_stage_backbone(model_config(case, case.stages), case.image_hw, layout, 0)
     stage = stage.to(device, memory_format=_fmt(device))
     head = None
     if layout.is_last:
@@ -260,7 +260,7 @@ def _pipelined(case: Case, rank: int, world: int, device: torch.device) -> dict[
         "step_s": max(r["step_s"] for r in gathered),
         "peak_bytes": [r["peak_bytes"] for r in gathered],
         "busy_s": [r["busy_s"] for r in gathered],
-        "ranges": ranges,
+        "ranges": plan.ranges,
     }
 
 
@@ -272,7 +272,7 @@ def worker(rank: int, case: Case, port: int, out: str) -> None:
     if device.type == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    precise_rss = device.type == "cpu" and _set_mmap_threshold(64 * 1024)
+    precise_rss = device.type == "cpu" and set_mmap_threshold(64 * 1024)
     if case.micro == 0:
         result = _one_device(case, device)
     else:

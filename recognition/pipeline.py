@@ -121,6 +121,14 @@ def unit_costs(model_cfg: ModelConfig, image_hw: tuple[int, int]) -> tuple[list[
     Counted on the meta device (no memory, no compute) with torch's FLOP counter, which
     counts convolutions and matmuls: the work that sets a stage's time.
     """
+    _, units, costs = _meta_unit_costs(model_cfg, image_hw)
+    return units, costs
+
+
+def _meta_unit_costs(
+    model_cfg: ModelConfig, image_hw: tuple[int, int]
+) -> tuple[UnitChain, list[str], list[int]]:
+    """`unit_costs`, with the meta-device backbone they were counted on."""
     with torch.device("meta"):
         backbone = backbone_from_config(model_cfg, image_hw)
     if not isinstance(backbone, UnitChain):
@@ -136,7 +144,7 @@ def unit_costs(model_cfg: ModelConfig, image_hw: tuple[int, int]) -> tuple[list[
             with FlopCounterMode(display=False) as counter:
                 x = backbone.forward_unit(unit, x)
             costs.append(int(counter.get_total_flops()))
-    return list(backbone.units()), costs
+    return backbone, list(backbone.units()), costs
 
 
 def plan_stages(
@@ -189,14 +197,34 @@ def plan_stages(
     return ranges[::-1]
 
 
+@dataclass(frozen=True)
+class StagePlan:
+    """How a backbone is cut: its units, their forward FLOPs, every stage's unit range, and
+    the whole backbone on the meta device (its parameter names and shapes, no storage)."""
+
+    units: list[str]
+    costs: list[int]
+    ranges: list[tuple[int, int]]
+    whole: nn.Module
+
+    def describe(self) -> str:
+        """One line: each stage's first and last unit and its share of the forward FLOPs."""
+        total = max(1, sum(self.costs))
+        return "; ".join(
+            f"stage {s}: {self.units[a]}..{self.units[b - 1]} "
+            f"({100 * sum(self.costs[a:b]) / total:.0f} % of FLOPs)"
+            for s, (a, b) in enumerate(self.ranges)
+        )
+
+
 def build_stage_backbone(
     model_cfg: ModelConfig, image_hw: tuple[int, int], layout: PipelineLayout, seed: int
-) -> tuple[UnitChain, list[tuple[int, int]]]:
+) -> tuple[UnitChain, StagePlan]:
     """This rank's stage: the whole backbone drawn from `seed`, its other units removed.
 
-    Returns the stage (on the CPU) and every stage's unit range.
+    Returns the stage (on the CPU) and the plan of every stage.
     """
-    units, costs = unit_costs(model_cfg, image_hw)
+    whole, units, costs = _meta_unit_costs(model_cfg, image_hw)
     ranges = plan_stages(units, costs, layout.num_stages, model_cfg.pipeline_split)
     # The same generator state on every rank: the stages are cut from one backbone.
     with torch.random.fork_rng(devices=[]):
@@ -204,7 +232,7 @@ def build_stage_backbone(
         backbone = backbone_from_config(model_cfg, image_hw)
     assert isinstance(backbone, UnitChain)
     backbone.keep_units(*ranges[layout.stage])
-    return backbone, ranges
+    return backbone, StagePlan(units, costs, ranges, whole)
 
 
 def send_contiguous(
@@ -223,18 +251,6 @@ def send_contiguous(
         )
     if not layout.is_last:
         stage.register_forward_hook(lambda module, args, output: output.contiguous())
-
-
-def describe_stages(
-    units: Sequence[str], costs: Sequence[int], ranges: Sequence[tuple[int, int]]
-) -> str:
-    """One line: each stage's first and last unit and its share of the forward FLOPs."""
-    total = max(1, sum(costs))
-    parts = [
-        f"stage {s}: {units[a]}..{units[b - 1]} ({100 * sum(costs[a:b]) / total:.0f} % of FLOPs)"
-        for s, (a, b) in enumerate(ranges)
-    ]
-    return "; ".join(parts)
 
 
 def stage_io(
@@ -352,7 +368,7 @@ __all__: list[str] = [
     "PipelineError",
     "PipelineLayout",
     "build_stage_backbone",
-    "describe_stages",
+    "StagePlan",
     "gather_backbone",
     "make_layout",
     "plan_stages",

@@ -94,7 +94,8 @@ def test_stages_keep_their_names_and_compose_to_the_backbone(backbone):
     stages = []
     for stage_index in range(3):
         layout = _layout(3, stage_index)
-        stage, ranges = build_stage_backbone(cfg, hw, layout, SEED)
+        stage, plan = build_stage_backbone(cfg, hw, layout, SEED)
+        ranges = plan.ranges
         stages.append(stage.eval())
     # Every parameter and buffer in exactly one stage, under its name in the whole model.
     names = [set(stage.state_dict()) for stage in stages]

@@ -46,10 +46,8 @@ from recognition.pipeline import (
     LabelsOnly,
     PipelineLayout,
     build_stage_backbone,
-    describe_stages,
     gather_backbone,
     make_layout,
-    unit_costs,
 )
 from recognition.precision import Precision, StepResult
 from recognition.training.pipeline_step import PipelineStep, build_pipeline_step
@@ -372,9 +370,8 @@ def _build_pipeline(
     data-parallel group), the stage as the schedule runs it, the step, and the optimizer's
     parameter indices in the whole model's optimizer."""
     device, image_hw = dist_info.device, cfg.data.image_hw
-    stage, ranges = build_stage_backbone(cfg.model, image_hw, layout, cfg.seed)
+    stage, plan = build_stage_backbone(cfg.model, image_hw, layout, cfg.seed)
     if dist_info.is_main:
-        units, costs = unit_costs(cfg.model, image_hw)
         log.info(
             "pipeline: %d stages x %d data-parallel replicas, %d micro-batches of %d (%s); %s",
             layout.num_stages,
@@ -382,7 +379,7 @@ def _build_pipeline(
             cfg.micro_batches,
             cfg.train.batch_size // cfg.micro_batches,
             cfg.model.pipeline_schedule,
-            describe_stages(units, costs, ranges),
+            plan.describe(),
         )
     if cfg.model.sync_bn and layout.dp_size > 1:
         if device.type != "cuda":
@@ -415,21 +412,11 @@ def _build_pipeline(
         num_micro=cfg.micro_batches,
         memory_format=memory_format,
     )
-    # The whole model's optimizer order, which a checkpoint's optimizer state is keyed by.
-    with torch.device("meta"):
-        whole = backbone_from_config(cfg.model, image_hw)
-    order = {
-        name: index
-        for index, name in enumerate(param_names([("backbone", whole), ("head", _HeadShape())]))
-    }
+    # The whole model's optimizer order, which a checkpoint's optimizer state is keyed by;
+    # a bias-free Linear stands for the head there (one 2-D parameter called weight).
+    head_shape = nn.Linear(1, 1, bias=False, device="meta")
+    whole = param_names([("backbone", plan.whole), ("head", head_shape)])
+    order = {name: index for index, name in enumerate(whole)}
     mine = [("backbone", stage)] + ([("head", head)] if head is not None else [])
     param_ids = [order[name] for name in param_names(mine)]
     return stage, head, model, step, param_ids
-
-
-class _HeadShape(nn.Module):
-    """Stands for the head in the whole model's parameter order: one 2-D weight."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(1, 1, device="meta"))

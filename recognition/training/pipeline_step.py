@@ -80,6 +80,10 @@ class PipelineStep:
         self.schedule = SCHEDULES[schedule](
             self.pipeline_stage, num_micro, loss_fn=self._loss, scale_grads=False
         )
+        if not layout.is_last:
+            # The loss scaler starts at its first scale(); these ranks scale no loss (their
+            # gradients arrive scaled from the last stage) but unscale in step(): start it.
+            precision.scale_loss(torch.zeros((), device=device))
         self._losses: list[Tensor] = []
         self._accuracies: list[Tensor] = []
 
@@ -108,9 +112,7 @@ class PipelineStep:
         precision.zero_grad(optimizer)
         self._losses, self._accuracies = [], []
         accumulating = (
-            self.head.accumulating()  # type: ignore[union-attr]
-            if self.head is not None and hasattr(self.head, "accumulating")
-            else contextlib.nullcontext()
+            self.head.accumulating() if self.head is not None else contextlib.nullcontext()
         )
         with precision.autocast(), accumulating:
             if layout.is_first:
@@ -119,10 +121,6 @@ class PipelineStep:
                 self.schedule.step(target=labels, return_outputs=False)
             else:
                 self.schedule.step(return_outputs=False)
-        if not layout.is_last:
-            # The loss scaler starts at its first scale(); these ranks scale no loss (their
-            # gradients arrive scaled from the last stage) but unscale in step().
-            precision.scale_loss(torch.zeros((), device=self.device))
         loss, accuracy, finite = self._agree()
         sharded = [self.head] if self.head is not None else []
         result = precision.step(
