@@ -42,14 +42,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.memory import proc_status_kib
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
 
 
 def make_tree(root: Path, classes: int, per_class: int) -> None:
@@ -82,7 +77,7 @@ def measure(method: str, tree: str, cache_dir: str) -> dict:
 
     from recognition.data.index import open_index, scan_folder
 
-    baseline = _status_kib("VmRSS")
+    baseline = proc_status_kib("VmRSS") or 0
     start = time.perf_counter()
     size = 0
     if method == "warm-up":
@@ -100,14 +95,14 @@ def measure(method: str, tree: str, cache_dir: str) -> dict:
     else:
         raise ValueError(method)
     elapsed = time.perf_counter() - start
-    after = _status_kib("VmRSS")
+    after = proc_status_kib("VmRSS") or 0
     return {
         "method": method,
         "files": count,
         "seconds": elapsed,
         "baseline_mib": baseline / 1024,
         "held_mib": (after - baseline) / 1024,
-        "peak_mib": (_status_kib("VmHWM") - baseline) / 1024,
+        "peak_mib": ((proc_status_kib("VmHWM") or 0) - baseline) / 1024,
         "index_bytes_mib": size / 2**20,
     }
 

@@ -529,6 +529,8 @@ def _zero_momentum_buffers(optimizer: torch.optim.SGD) -> bool:
     memory as momentum. A zero buffer is what the first step's buffer amounts to (the next
     step sets it to 0 * momentum + grad = grad, bit for bit) when dampening is 0; with
     dampening it is not, and False says the optimizer must be stepped from the host.
+    (`recognition.optim.init_state` makes every optimizer's state this way for checkpoints,
+    by a step at lr 0 on zero gradients; this needs no gradient-sized tensors.)
     """
     groups = [g for g in optimizer.param_groups if g["momentum"] != 0]
     if any(g["dampening"] != 0 for g in groups):

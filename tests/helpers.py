@@ -1,10 +1,13 @@
-"""Small fixtures shared by the training tests: a tiny image folder and the overrides that
-point a config at it."""
+"""Small fixtures shared by the training tests: a tiny image folder and the overrides and
+config that point at it, and what multi-process tests need (a free port, a gloo rank, the
+torchrun command and its environment)."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import socket
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -76,3 +79,27 @@ def tiny_config(root: Path, out: Path, *extra: str):
         "default",
         tiny_run_overrides(root, out, "model.backbone=iresnet18", "train.batch_size=8", *extra),
     )
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> dict[str, str]:
+    """This environment for a child process (one thread, the repository importable), without
+    the torchrun variables of a test that runs under one."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def torchrun(*args: str) -> list[str]:
+    """The torchrun command line with `args`, on this interpreter."""
+    return [sys.executable, "-m", "torch.distributed.run", *args]

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +31,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import folder_overrides, init_gloo_rank, tiny_run_overrides
+from helpers import (
+    REPO,
+    child_env,
+    folder_overrides,
+    free_port,
+    init_gloo_rank,
+    tiny_run_overrides,
+    torchrun,
+)
 from torch import nn
 
 import recognition.training.build as training_build
@@ -45,18 +52,11 @@ from recognition.precision import Precision
 from recognition.training import TrainingError, global_grad_norm, train
 from recognition.training.state import load_training_state, training_state
 
-REPO = Path(__file__).resolve().parent.parent
 NUM_STEPS = 6
 RESUME_STEP = 3
 GLOBAL_BATCH = 6
 # Float32 runs whose reductions add in different orders: a few ulps a step, grown by 6 steps.
 RTOL, ATOL = 2e-5, 2e-6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_overrides(image_folder: Path, out: Path, world_size: int, *extra: str) -> list[str]:
@@ -316,17 +316,6 @@ def cli_overrides(image_folder: Path, out: Path, *extra: str) -> list[str]:
     return tiny_run_overrides(
         image_folder, out, "train.batch_size=4", "train.epochs=1", "train.timeout_s=30", *extra
     )
-
-
-def child_env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
-
-
-def torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *args]
 
 
 def test_torchrun_two_processes(image_folder, tmp_path):

@@ -19,8 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.head_kernel_resources import H100_SHARED_BYTES
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-H100_SHARED_BYTES = 232_448
 
 # Every launch the wrappers make: each kernel with and without the partial-FC row index; the
 # embedding gradient reduced with atomics or deterministically; the weight gradient plain or

@@ -29,8 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import init_gloo_rank, tiny_config, tiny_run_overrides
-from test_pipeline import free_port
+from helpers import free_port, init_gloo_rank, tiny_config, tiny_run_overrides
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import recognition.training.loop as loop

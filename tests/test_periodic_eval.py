@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import init_gloo_rank, tiny_run_overrides
+from helpers import free_port, init_gloo_rank, tiny_run_overrides
 from PIL import Image
 
 from recognition import checkpoint as ckpt
@@ -191,8 +191,6 @@ def _rank_main(rank: int, port: int, jobs: list[list[str]], out: str) -> None:
 
 
 def test_two_ranks_wait_for_rank0_and_share_its_errors(data, tmp_path):
-    import socket
-
     import torch.multiprocessing as mp
 
     train_root, pairs = data
@@ -206,9 +204,7 @@ def test_two_ranks_wait_for_rank0_and_share_its_errors(data, tmp_path):
     missing = tmp_path / "missing"
     missing.mkdir()
     (missing / "pairs.txt").write_text(pairs.read_text())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
 
     def job(out: Path, target: Path) -> list[str]:
         return config_overrides(train_root, out) + [

@@ -16,13 +16,13 @@ import datetime
 import itertools
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import free_port
 from torch.utils.flop_counter import FlopCounterMode
 
 from recognition.config import ConfigError, HeadConfig, ModelConfig, OptimConfig, load_config
@@ -256,12 +256,6 @@ def test_accumulating_updates_the_rows_of_every_forward_before_any_backward():
 
 
 # ---- one pipelined step against the unpipelined model (spawned gloo ranks) -------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def replica_batch(replica: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,8 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import init_gloo_rank, tiny_run_overrides
-from test_pipeline import free_port
+from helpers import REPO, child_env, free_port, init_gloo_rank, tiny_run_overrides, torchrun
 
 from recognition import checkpoint as ckpt
 from recognition.config import load_config
@@ -168,8 +167,6 @@ def test_two_stages_train_like_one_with_accumulation_and_resume_across_layouts(
 def test_torchrun_two_stages_trains_evaluates_and_exports(image_folder, tmp_path):
     """The command line: torchrun, two processes, two stages, evaluation at the end."""
     import subprocess
-
-    from test_distributed_training import REPO, child_env, torchrun
 
     out = tmp_path / "run"
     # An LFW-layout copy of 6 identities and a pairs file over it: 2 folds of 3 + 3 pairs.

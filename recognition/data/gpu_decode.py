@@ -51,6 +51,7 @@ from recognition.data.transforms import decode_rgb, normalise, resize
 _GPU_FRAMES = (0xC0, 0xC1, 0xC2)
 _FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # DHT, JPG, DAC are not frames
 _STANDALONE = frozenset([0x01, *range(0xD0, 0xD9)])  # TEM, RSTn, SOI: no length field
+_JPEG_START = b"\xff\xd8\xff"  # SOI, then the first marker's 0xFF
 
 
 def gpu_decodable(data: bytes) -> bool:
@@ -63,7 +64,7 @@ def gpu_decodable(data: bytes) -> bool:
     device decoder might fill the missing part in silently instead). Reads the markers up
     to the frame header and searches the tail: microseconds per image.
     """
-    if len(data) < 4 or data[:3] != b"\xff\xd8\xff":
+    if len(data) < 4 or data[:3] != _JPEG_START:
         return False
     position, adobe_transform = 2, None
     while position + 4 <= len(data):
@@ -325,7 +326,7 @@ def holds_jpeg(source: TrainSource, probes: int = 16) -> bool:
             data = source.encoded(index)
         except (ValueError, OSError):
             continue
-        if data[:3] != b"\xff\xd8\xff":
+        if data[:3] != _JPEG_START:
             return False
         seen += 1
     return seen > 0

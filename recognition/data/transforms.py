@@ -132,7 +132,9 @@ def hflip(tensor: torch.Tensor) -> torch.Tensor:
 def normalise(tensor: torch.Tensor) -> torch.Tensor:
     """uint8 image tensor in [0, 255] as float32 in [-1, 1]: (x / 255 - 0.5) / 0.5."""
     scaled = TF.to_dtype(tensor, torch.float32, scale=True)  # [0, 1]
-    return TF.normalize(scaled, mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5])
+    # With Python scalars, not TF.normalize: its mean and std become tensors copied from
+    # the host, which on a GPU (data.decode=gpu) makes the host wait for the device.
+    return scaled.sub_(0.5).div_(0.5)
 
 
 def to_input_tensor(image: Image.Image, size: tuple[int, int]) -> torch.Tensor:

@@ -1016,8 +1016,9 @@ class ShardedMarginSoftmax(nn.Module):
         # torch.tensor: a copy from the host would synchronise.
         device = local_embeddings.device
         batch_size = local_embeddings.shape[0] if local_embeddings.ndim > 0 else 0
-        bad = torch.ones((), dtype=torch.int64, device=device)
-        if labels_ok is not None:
+        if labels_ok is None:  # this rank's inputs are wrong in shape or type
+            bad = torch.ones((), dtype=torch.int64, device=device)
+        else:
             bad = (~labels_ok.to(device)).to(torch.int64)
         status = torch.stack([torch.full((), batch_size, dtype=torch.int64, device=device), bad])
         statuses = distributed.all_gather_tensor(status, self.group).view(-1, 2)  # (W, 2)

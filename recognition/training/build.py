@@ -324,7 +324,11 @@ def _build_data(
         rank=layout.dp_rank if layout is not None else dist_info.rank,
         seed=cfg.seed,
     )
-    # Before anything is written: data.decode=gpu without a CUDA device stops here.
+    # Before anything is written: data.decode=gpu without a CUDA device stops here, on
+    # every rank. The later stages of a pipeline read labels only (LabelsOnly): they need
+    # no decoder, nor the probe of one that auto makes.
+    if layout is not None and not layout.is_first and cfg.data.decode != "gpu":
+        return data, sampler, "cpu"
     return data, sampler, resolve_decode(cfg.data, dist_info.device, data)
 
 

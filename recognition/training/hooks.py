@@ -103,40 +103,38 @@ def log_due(run: Run) -> bool:
 
 
 class NonFiniteGuard(Hook):
-    """Counts non-finite losses in a row on the device; at each logging step reads the count
-    and stops the run once `train.max_nonfinite_steps` in a row were seen.
+    """Keeps each step's finite flag on the device; at each logging step reads them and
+    stops the run once `train.max_nonfinite_steps` non-finite losses in a row were seen.
 
     The skipped steps changed nothing (their updates were masked on the device), so the run
     may go on for up to `train.log_every` - 1 steps past the limit before it stops.
     """
 
     def before_train(self, run: Run) -> None:
-        zero = torch.zeros((), dtype=torch.int64, device=run.dist_info.device)
-        self.in_a_row = zero  # non-finite losses in a row up to the last step
-        self.longest = zero  # the longest such run since the last read
-        self.num_nonfinite = zero  # in the steps since the last read
+        self.in_a_row = 0  # non-finite losses in a row up to the last read
+        self.flags: list[torch.Tensor] = []  # the steps' finite flags since the last read
         self.first_step = run.progress.step + 1  # of those steps
 
     def after_step(self, run: Run, result: StepResult) -> None:
         if result.finite is not None:
-            nonfinite = ~result.finite
-            self.in_a_row = (self.in_a_row + 1) * nonfinite
-            self.longest = torch.maximum(self.longest, self.in_a_row)
-            self.num_nonfinite = self.num_nonfinite + nonfinite
+            self.flags.append(result.finite)
         if not log_due(run):
             return
-        counts = torch.stack([self.in_a_row, self.longest, self.num_nonfinite])
-        in_a_row, longest, num_nonfinite = counts.tolist()  # the one read, at the interval
+        finite = torch.stack(self.flags).tolist() if self.flags else []  # the one read
         first, step = self.first_step, run.progress.step
-        self.longest, self.num_nonfinite = self.in_a_row, torch.zeros_like(self.num_nonfinite)
-        self.first_step = step + 1
+        self.flags, self.first_step = [], step + 1
+        longest = self.in_a_row
+        for ok in finite:
+            self.in_a_row = 0 if ok else self.in_a_row + 1
+            longest = max(longest, self.in_a_row)
+        num_nonfinite = finite.count(False)
         if num_nonfinite:
             log.warning(
                 "steps %d-%d: %d non-finite losses, their updates skipped (%d in a row now)",
                 first,
                 step,
                 num_nonfinite,
-                in_a_row,
+                self.in_a_row,
             )
         if longest >= run.cfg.train.max_nonfinite_steps:
             raise TrainingError(nonfinite_message(run, longest))
@@ -247,20 +245,24 @@ _RESULT_FIELDS = ("loss", "finite", "accuracy", "grad_norm", "stepped", "scale")
 
 def _read_results(results: list[StepResult]) -> dict[str, np.ndarray]:
     """The fields of `results` as float64 arrays (one entry per step), read from the device
-    in one transfer. A missing loss or accuracy reads as NaN, a missing `finite` as True."""
+    in one transfer. A missing loss or accuracy reads as NaN, a missing `finite` as whether
+    the loss is finite."""
     if not results:
         return {name: np.zeros(0) for name in _RESULT_FIELDS}
-    device = results[0].stepped.device
-    nan = torch.full((), math.nan, dtype=torch.float64, device=device)
-    columns = []
-    for result in results:
+    nan = torch.full((), math.nan, dtype=torch.float64, device=results[0].stepped.device)
+
+    def value(result: StepResult, name: str) -> torch.Tensor:
+        found = getattr(result, name)
+        if found is not None:
+            return found
         loss = result.loss if result.loss is not None else nan
-        finite = result.finite if result.finite is not None else torch.isfinite(loss)
-        accuracy = result.accuracy if result.accuracy is not None else nan
-        values = (loss, finite, accuracy, result.grad_norm, result.stepped, result.scale)
-        columns.append(torch.stack([v.to(device, torch.float64) for v in values]))
-    table = torch.stack(columns, dim=1).cpu().numpy()  # (fields, steps): the one sync
-    return dict(zip(_RESULT_FIELDS, table, strict=True))
+        return torch.isfinite(loss) if name == "finite" else nan
+
+    # One stack per field (torch.stack promotes dtypes), then one for the table.
+    table = torch.stack(
+        [torch.stack([value(r, name) for r in results]).double() for name in _RESULT_FIELDS]
+    )
+    return dict(zip(_RESULT_FIELDS, table.cpu().numpy(), strict=True))  # the one sync
 
 
 def _mean(values: np.ndarray) -> float:

@@ -82,7 +82,8 @@ def train_step(
         if getattr(head, "last_accuracy", None) is not None:
             accuracies.append(head.last_accuracy.float())
 
-    finite = torch.isfinite(torch.stack(losses)).all()
+    stacked = torch.stack(losses)
+    finite = torch.isfinite(stacked).all()
     sharded = [head] if hasattr(head, "squared_grad_norm") else []
     result = precision.step(
         optimizer,
@@ -92,7 +93,7 @@ def train_step(
     )
     return dataclasses.replace(
         result,
-        loss=torch.stack(losses).mean(),
+        loss=stacked.mean(),
         finite=finite,
         accuracy=torch.stack(accuracies).mean() if accuracies else None,
     )

@@ -103,6 +103,7 @@ import time.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -119,7 +120,6 @@ TORCH_TO_TRITON = {
     torch.bfloat16: tl.bfloat16,
     torch.float16: tl.float16,
 }
-SUPPORTED_MATMUL_DTYPES = tuple(TORCH_TO_TRITON)
 
 
 @dataclass(frozen=True)
@@ -240,6 +240,7 @@ _GPU_TILES = {
 OPERAND_KINDS = tuple(_GPU_TILES)
 
 
+@functools.lru_cache(maxsize=64)
 def gpu_tiles(dim: int, num_sms: int, operands: str = "half") -> TileConfig:
     """Tiles for embeddings of `dim` on a GPU with `num_sms` SMs, for `operands` "half" (bf16
     or fp16), "tf32" or "fp32" (fp32 without TF32). Embeddings wider than 1024 get the tiles
@@ -299,24 +300,18 @@ def _dot(a, b, acc, MM_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAS
 
 
 @triton.jit
-def _class_rows(ROW_INDEX, offs_c, c_mask, HAS_INDEX: tl.constexpr):
-    """The weight rows (int64) of taking-part positions offs_c (0 outside)."""
-    if HAS_INDEX:
-        rows = tl.load(ROW_INDEX + offs_c, mask=c_mask, other=0)
-    else:
-        rows = offs_c
-    return rows.to(tl.int64)
-
-
-@triton.jit
 def _class_block(
     ROW_INDEX, INV_NORM, first, num_classes, HAS_INDEX: tl.constexpr, BLOCK_C: tl.constexpr
 ):
     """The tile of BLOCK_C classes from position `first`: positions, their mask, their rows
-    of the weight (through ROW_INDEX with partial FC) and their inverse norms."""
+    of the weight (int64, through ROW_INDEX with partial FC; 0 outside) and their inverse
+    norms."""
     offs_c = first + tl.arange(0, BLOCK_C)
     c_mask = offs_c < num_classes
-    rows = _class_rows(ROW_INDEX, offs_c, c_mask, HAS_INDEX)
+    if HAS_INDEX:  # partial FC: position -> row of the weight
+        rows = tl.load(ROW_INDEX + offs_c, mask=c_mask, other=0).to(tl.int64)
+    else:
+        rows = offs_c.to(tl.int64)
     inv_norm = tl.load(INV_NORM + offs_c, mask=c_mask, other=0.0)
     return offs_c, c_mask, rows, inv_norm
 
