@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Sampler
 
 from recognition import distributed
-from recognition.config import ExperimentConfig, config_to_dict, save_config
+from recognition.config import ConfigError, ExperimentConfig, config_to_dict, save_config
 from recognition.data.build import (
     build_loader,
     build_sampler,
@@ -35,6 +35,7 @@ from recognition.distributed import DistInfo
 from recognition.evaluation.run import check_training_targets
 from recognition.heads import ShardedMarginSoftmax, build_head
 from recognition.models import backbone_from_config
+from recognition.models.cpu_layout import channels_last_refusal, cpu_compile_options
 from recognition.optim import (
     OptimizerState,
     build_optimizer,
@@ -162,6 +163,7 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
     Writes config.yaml (and, unless `resuming`, classes.txt: a resumed run's classes are
     checked against its checkpoint first) into the run directory on rank 0.
     """
+    _check_memory_format(cfg, dist_info.device)
     layout = make_layout(cfg.model.pipeline_stages, dist_info) if _pipelined(cfg) else None
     num_replicas = layout.dp_size if layout is not None else dist_info.world_size
     data, sampler, decode = _build_data(cfg, dist_info, layout)
@@ -294,8 +296,26 @@ def _wrap_model(cfg: ExperimentConfig, dist_info: DistInfo, backbone: nn.Module)
     if cfg.train.compile:
         # Compiled over the DDP wrapper, so that DDP's optimizer splits the graph at its
         # gradient buckets and all-reduces overlap the backward pass.
-        model = torch.compile(model, mode=cfg.train.compile_mode, backend=cfg.train.compile_backend)
+        backend, mode = cfg.train.compile_backend, cfg.train.compile_mode
+        if backend == "inductor" and dist_info.device.type == "cpu":
+            # No layout optimisation on a CPU: it would make the convolutions channels-last
+            # and reach oneDNN's broken weight gradient (recognition.models.cpu_layout).
+            model = torch.compile(model, backend=backend, options=cpu_compile_options(mode))
+        else:
+            model = torch.compile(model, mode=mode, backend=backend)
     return model
+
+
+def _check_memory_format(cfg: ExperimentConfig, device: torch.device) -> None:
+    """Refuse channels-last training on a CPU for a backbone oneDNN would get wrong there
+    (before anything is built: the backbone is made on the meta device to be looked at)."""
+    if not cfg.data.channels_last or device.type != "cpu":
+        return
+    with torch.device("meta"):
+        backbone = backbone_from_config(cfg.model, cfg.data.image_hw)
+    what = f"{cfg.model.backbone} at model.width={cfg.model.width:g}"
+    if (refusal := channels_last_refusal(backbone, what)) is not None:
+        raise ConfigError(refusal)
 
 
 def _build_data(
