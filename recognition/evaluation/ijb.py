@@ -99,7 +99,7 @@ def meta_files(root: str | os.PathLike, name: str) -> dict[str, Path]:
     }
 
 
-def _numbered_lines(f, path: Path):
+def numbered_lines(f, path: Path):
     """(number, line) of each line of the text file `f`; a ValueError naming `path` and the
     line where the bytes stop being UTF-8."""
     number = 0
@@ -118,7 +118,7 @@ def _rows(path: Path, num_fields: int, what: str):
         raise FileNotFoundError(f"IJB meta file not found: {path}")
     empty = True
     with open(path, encoding="utf-8-sig") as f:
-        for number, line in _numbered_lines(f, path):
+        for number, line in numbered_lines(f, path):
             fields = line.split()
             if not fields:
                 continue
@@ -471,7 +471,7 @@ def _add_rows(out: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
 # ------------------------------------------------------------------------------ scores
 
 
-def _default_threads() -> int:
+def default_threads() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
@@ -530,7 +530,7 @@ def score_pairs(
             np.einsum("pd,pd->p", a[:n], b[:n], out=out[:n])
             scores[pairs] = out[:n]
 
-    num_threads = num_threads or _default_threads()
+    num_threads = num_threads or default_threads()
     bounds = np.linspace(0, num_pairs, num_threads + 1).astype(np.int64)
     if num_threads == 1:
         score_range(0, num_pairs)
