@@ -272,10 +272,7 @@ def search_gallery(
         scores = probes[start:stop] @ gallery_t  # (b, G)
         scores[probe_bad[start:stop]] = NO_FEATURE_SCORE
         scores[:, gallery_bad] = NO_FEATURE_SCORE
-        if k < num_gallery:
-            index = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-        else:
-            index = np.broadcast_to(np.arange(num_gallery), scores.shape)
+        index = _top_k_index(scores, k)
         top = np.take_along_axis(scores, index, axis=1)
         order = np.lexsort((index, -top))  # per row: score high to low, then index
         out.top_scores[start:stop] = np.take_along_axis(top, order, axis=1)
@@ -300,6 +297,26 @@ def search_gallery(
                 for future in [pool.submit(search_block, s) for s in starts]:
                     future.result()
     return out
+
+
+def _top_k_index(scores: np.ndarray, k: int) -> np.ndarray:
+    """Columns (b, k) of the k highest scores of each row of ``scores`` (b, G), unordered;
+    where scores tie at the k-th place, the lowest columns (argpartition picks any)."""
+    num_gallery = scores.shape[1]
+    if k >= num_gallery:
+        return np.broadcast_to(np.arange(num_gallery), scores.shape)
+    index = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    top = np.take_along_axis(scores, index, axis=1)
+    kth = top.min(axis=1)  # (b,) the k-th score
+    at_kth = scores == kth[:, None]
+    chosen_at_kth = (top == kth[:, None]).sum(axis=1)
+    tied = np.flatnonzero(at_kth.sum(axis=1) > chosen_at_kth)  # more at the k-th than kept
+    if len(tied):
+        above = scores[tied] > kth[tied, None]
+        need = k - above.sum(axis=1)
+        keep = above | (at_kth[tied] & (np.cumsum(at_kth[tied], axis=1) <= need[:, None]))
+        index[tied] = np.nonzero(keep)[1].reshape(len(tied), k)
+    return index
 
 
 # ------------------------------------------------------------------------------ metrics
