@@ -209,3 +209,17 @@ def test_damaged_features_file_is_named_and_kept(made, tmp_path, mode, damage, c
         "not npz": "not a features file (.npz): not a zip archive",
     }[damage]
     assert expected in line, line
+
+
+def test_features_at_another_size_than_the_checkpoints_are_refused(made, tmp_path, capsys):
+    # The file of a run with --image-size 48 (of a backbone that takes other sizes; this
+    # IResNet's does not, so the setting is written here).
+    cache = tmp_path / "features48.npz"
+    with np.load(made["cache"]) as data:
+        arrays = dict(data) | {"setting_image_size": np.asarray("48x48")}
+    np.savez(cache, **arrays)
+    argv = ["--ijb", str(made["ijbc"]), "--ijb-name", "ijbc", "--save-features", str(cache)]
+    # No --image-size: the checkpoint's own (32) is this run's size.
+    line = run_fails(argv + ["--checkpoint", str(made["model"])], capsys, {})
+    assert f"{cache}: features made with image_size = '48x48', this run has '32x32'" in line
+    assert evaluate.main(argv) == 0  # without a model, the size is not known: accepted
