@@ -223,3 +223,35 @@ def test_features_at_another_size_than_the_checkpoints_are_refused(made, tmp_pat
     line = run_fails(argv + ["--checkpoint", str(made["model"])], capsys, {})
     assert f"{cache}: features made with image_size = '48x48', this run has '32x32'" in line
     assert evaluate.main(argv) == 0  # without a model, the size is not known: accepted
+
+
+@pytest.mark.parametrize(
+    ("mode", "file", "number"),
+    [
+        ("1n", "1N_probe_mixed.csv", 3),
+        ("11", "face_tid_mid.txt", 61),
+        ("1n", "face_tid_mid.txt", 2),
+    ],
+)
+def test_meta_file_that_is_not_utf8_names_file_and_line(made, tmp_path, mode, file, number, capsys):
+    root = copy_root(made, tmp_path)
+    path = root / "meta" / f"ijbc_{file}"
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[number - 1] = lines[number - 1].replace(b".jpg", ".jp\xe9".encode("latin-1"), 1)
+    path.write_bytes(b"".join(lines))
+    argv = ["--ijb", str(root), "--ijb-name", "ijbc", "--checkpoint", str(made["model"])]
+    line = run_fails(argv + MODES[mode], capsys, {})
+    assert (
+        line == f"error: {path}:{number}: not UTF-8 text (byte 0xe9); save the meta file as UTF-8"
+    )
+
+
+@pytest.mark.parametrize("flag", ["--roc", "--json"])
+def test_1n_outputs_that_cannot_be_written_stop_before_extraction(made, tmp_path, flag, capsys):
+    argv = ["--ijb", str(made["ijbc"]), "--ijb-name", "ijbc", "--checkpoint", str(made["model"])]
+    if flag == "--roc":
+        line = run_fails(argv + MODES["1n"] + ["--roc", str(tmp_path / "roc.png")], capsys, {})
+        assert line == "error: --roc: the 1:1 mode's curve; --ijb-mode 1n has none"
+    else:
+        line = run_fails(argv + MODES["1n"] + ["--json", str(tmp_path)], capsys, {})
+        assert line == f"error: --json: {tmp_path} is a folder"

@@ -16,10 +16,14 @@ is the cosine of its two templates. The result is TAR at FAR 1e-6 ... 1e-1, AUC 
 An image that cannot be decoded is left out and counted; a template with no readable image
 (or none listed at all) has no feature: its pairs score -1, below every threshold, so a
 genuine one counts as a false reject. Both counts are in the results and the log.
+
+The image features and the template pooling here serve the 1:N mode too
+(:mod:`recognition.evaluation.ijb_search`), and one features file both modes.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import logging
 import os
@@ -99,17 +103,23 @@ def meta_files(root: str | os.PathLike, name: str) -> dict[str, Path]:
     }
 
 
-def numbered_lines(f, path: Path):
-    """(number, line) of each line of the text file `f`; a ValueError naming `path` and the
-    line where the bytes stop being UTF-8."""
-    number = 0
-    try:
-        for number, line in enumerate(f, start=1):  # noqa: B007 (read after the loop)
-            yield number, line
-    except UnicodeDecodeError:
-        raise ValueError(
-            f"{path}:{number + 1}: not UTF-8 text; save the meta file as UTF-8"
-        ) from None
+def numbered_lines(path: Path):
+    """(number, line) of each line of the UTF-8 text file ``path`` (a byte-order mark
+    dropped), streamed; a ValueError naming ``path`` and the line that is not UTF-8.
+
+    Each line is decoded alone: a text-mode file decodes blocks of 8 KiB ahead of the
+    lines it yields, so its error would name a line near the block's start instead."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if number == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{path}:{number}: not UTF-8 text (byte {raw[exc.start]:#04x}); save the "
+                    "meta file as UTF-8"
+                ) from None
 
 
 def _rows(path: Path, num_fields: int, what: str):
@@ -117,18 +127,17 @@ def _rows(path: Path, num_fields: int, what: str):
     if not path.is_file():
         raise FileNotFoundError(f"IJB meta file not found: {path}")
     empty = True
-    with open(path, encoding="utf-8-sig") as f:
-        for number, line in numbered_lines(f, path):
-            fields = line.split()
-            if not fields:
-                continue
-            empty = False
-            if len(fields) != num_fields:
-                raise ValueError(
-                    f"{path}:{number}: expected {num_fields} fields ({what}), got "
-                    f"{len(fields)}: {line.strip()!r}"
-                )
-            yield number, fields
+    for number, line in numbered_lines(path):
+        fields = line.split()
+        if not fields:
+            continue
+        empty = False
+        if len(fields) != num_fields:
+            raise ValueError(
+                f"{path}:{number}: expected {num_fields} fields ({what}), got "
+                f"{len(fields)}: {line.strip()!r}"
+            )
+        yield number, fields
     if empty:
         raise ValueError(f"{path}: no lines; expected {what}")
 

@@ -123,31 +123,30 @@ def read_template_list(path: Path) -> TemplateList:
         raise FileNotFoundError(f"IJB meta file not found: {path}")
     first: dict[int, tuple[int, int]] = {}  # template -> (subject, line)
     columns = None
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(line for _, line in numbered_lines(f, path))
-        for fields in reader:
-            number = reader.line_num
-            fields = [v.strip() for v in fields]
-            if not any(fields):
-                continue
-            if columns is None:
-                columns = _header_columns(fields, f"{path}:{number}")
-                continue
-            where = f"{path}:{number}"
-            if len(fields) <= max(columns):
-                raise ValueError(
-                    f"{where}: expected at least {max(columns) + 1} fields (TEMPLATE_ID and "
-                    f"SUBJECT_ID in columns {columns[0] + 1} and {columns[1] + 1}), got "
-                    f"{len(fields)}"
-                )
-            template = parse_count(fields[columns[0]], where, "TEMPLATE_ID")
-            subject = parse_count(fields[columns[1]], where, "SUBJECT_ID")
-            seen = first.setdefault(template, (subject, number))
-            if seen[0] != subject:
-                raise ValueError(
-                    f"{where}: template {template} has subject {subject} here but {seen[0]} "
-                    f"on line {seen[1]}"
-                )
+    reader = csv.reader(line for _, line in numbered_lines(path))
+    for fields in reader:
+        number = reader.line_num
+        fields = [v.strip() for v in fields]
+        if not any(fields):
+            continue
+        if columns is None:
+            columns = _header_columns(fields, f"{path}:{number}")
+            continue
+        where = f"{path}:{number}"
+        if len(fields) <= max(columns):
+            raise ValueError(
+                f"{where}: expected at least {max(columns) + 1} fields (TEMPLATE_ID and "
+                f"SUBJECT_ID in columns {columns[0] + 1} and {columns[1] + 1}), got "
+                f"{len(fields)}"
+            )
+        template = parse_count(fields[columns[0]], where, "TEMPLATE_ID")
+        subject = parse_count(fields[columns[1]], where, "SUBJECT_ID")
+        seen = first.setdefault(template, (subject, number))
+        if seen[0] != subject:
+            raise ValueError(
+                f"{where}: template {template} has subject {subject} here but {seen[0]} "
+                f"on line {seen[1]}"
+            )
     if not first:
         raise ValueError(f"{path}: no rows; expected a header and TEMPLATE_ID,SUBJECT_ID,...")
     templates = np.fromiter(first, np.int64, len(first))
