@@ -7,6 +7,7 @@
   python evaluate.py --embeddings EMB.npz --pairs PAIRS [--json OUT.json]
   python evaluate.py --embeddings EMB.npz --reid   # paths query/..., bounding_box_test/...
   python evaluate.py --checkpoint CKPT --ijb IJB_ROOT --ijb-name ijbc [--save-features F.npz]
+  python evaluate.py --checkpoint CKPT --ijb IJB_ROOT --ijb-name ijbc --ijb-mode 1n   # 1:N
   python evaluate.py                      # the last run of the default config
 
 CKPT is a run's backbone.pt or any of its training checkpoints. `--roc roc.png` draws the
@@ -61,9 +62,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--ijb",
         type=Path,
         metavar="ROOT",
-        help="IJB-B/C 1:1 template verification on ROOT/meta and ROOT/loose_crop",
+        help="IJB-B/C templates on ROOT/meta and ROOT/loose_crop (see --ijb-mode)",
     )
     parser.add_argument("--ijb-name", choices=["ijbb", "ijbc"], help="which IJB set ROOT holds")
+    parser.add_argument(
+        "--ijb-mode",
+        choices=["11", "1n"],
+        default="11",
+        help="11: 1:1 template verification (TAR@FAR); 1n: 1:N identification of the mixed "
+        "probes in galleries G1/G2 (S1/S2 for IJB-B): CMC and TPIR@FPIR",
+    )
     parser.add_argument(
         "--ijb-score-weight",
         action="store_true",
@@ -74,7 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         metavar="F.npz",
         help="with --ijb: the image features are read from F.npz when it exists (no model "
-        "runs), else computed and written there",
+        "runs), else computed and written there; one file serves both --ijb-modes",
     )
     parser.add_argument(
         "--config",
@@ -198,15 +206,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ijb(args: argparse.Namespace, image_size: tuple[int, int] | None) -> int:
-    """IJB-B/C verification (--ijb): the table, and JSON / ROC when asked."""
+    """IJB-B/C verification or identification (--ijb): the table, and JSON / ROC when asked."""
     from recognition.distributed import pick_device
-    from recognition.evaluation import ijb
+    from recognition.evaluation import ijb, ijb_search
 
     if args.embeddings is not None or args.pairs or args.bin or args.reid is not None:
         raise ValueError("--ijb: takes --checkpoint, not --embeddings, --pairs, --bin or --reid")
     if args.ijb_name is None:
         raise ValueError("--ijb: needs --ijb-name ijbb or ijbc")
-    results = ijb.evaluate_ijb(
+    if args.ijb_mode == "1n" and args.roc is not None:
+        raise ValueError("--roc: the 1:1 mode's curve; --ijb-mode 1n has none")
+    for path, flag in ((args.json, "--json"), (args.roc, "--roc")):
+        # Found now, not after hours of extraction.
+        if path is not None and path.is_dir():
+            raise ValueError(f"{flag}: {path} is a folder")
+    evaluate_mode = ijb_search.evaluate_ijb_search if args.ijb_mode == "1n" else ijb.evaluate_ijb
+    results = evaluate_mode(
         args.ijb,
         args.ijb_name,
         checkpoint=args.checkpoint,
@@ -218,7 +233,10 @@ def _ijb(args: argparse.Namespace, image_size: tuple[int, int] | None) -> int:
         device=pick_device(args.device),
         num_workers=args.workers,
     )
-    ijb.report_ijb(results, json_path=args.json, roc_path=args.roc)
+    if args.ijb_mode == "1n":
+        ijb_search.report_search(results, json_path=args.json)
+    else:
+        ijb.report_ijb(results, json_path=args.json, roc_path=args.roc)
     return 0
 
 

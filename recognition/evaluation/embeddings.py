@@ -229,11 +229,18 @@ def open_npz(path: Path, what: str) -> np.lib.npyio.NpzFile:
     """`path` opened as an .npz archive without pickle (a file from elsewhere must not be
     able to run code here); a ValueError naming the file and `what` it should be otherwise."""
     try:
-        data = np.load(path, allow_pickle=False)
+        with open(path, "rb") as f:
+            magic = f.read(6)
+        if magic.startswith(b"PK"):
+            data = np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
         raise ValueError(f"{path}: not a readable {what} (.npz): {e}") from e
-    if not isinstance(data, np.lib.npyio.NpzFile):
+    if magic == b"\x93NUMPY":
         raise ValueError(f"{path}: expected an .npz {what}, found a single .npy array")
+    if not magic.startswith(b"PK"):
+        # Checked before np.load, which takes any other bytes for a pickle and tells how to
+        # load it unsafely: advice that must not reach a user holding a foreign file.
+        raise ValueError(f"{path}: not a {what} (.npz): not a zip archive")
     return data
 
 

@@ -16,13 +16,19 @@ is the cosine of its two templates. The result is TAR at FAR 1e-6 ... 1e-1, AUC 
 An image that cannot be decoded is left out and counted; a template with no readable image
 (or none listed at all) has no feature: its pairs score -1, below every threshold, so a
 genuine one counts as a false reject. Both counts are in the results and the log.
+
+The image features and the template pooling here serve the 1:N mode too
+(:mod:`recognition.evaluation.ijb_search`), and one features file both modes.
 """
 
 from __future__ import annotations
 
+import codecs
+import hashlib
 import logging
 import os
 import tempfile
+import zipfile
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -97,17 +103,23 @@ def meta_files(root: str | os.PathLike, name: str) -> dict[str, Path]:
     }
 
 
-def _numbered_lines(f, path: Path):
-    """(number, line) of each line of the text file `f`; a ValueError naming `path` and the
-    line where the bytes stop being UTF-8."""
-    number = 0
-    try:
-        for number, line in enumerate(f, start=1):  # noqa: B007 (read after the loop)
-            yield number, line
-    except UnicodeDecodeError:
-        raise ValueError(
-            f"{path}:{number + 1}: not UTF-8 text; save the meta file as UTF-8"
-        ) from None
+def numbered_lines(path: Path):
+    """(number, line) of each line of the UTF-8 text file ``path`` (a byte-order mark
+    dropped), streamed; a ValueError naming ``path`` and the line that is not UTF-8.
+
+    Each line is decoded alone: a text-mode file decodes blocks of 8 KiB ahead of the
+    lines it yields, so its error would name a line near the block's start instead."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if number == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{path}:{number}: not UTF-8 text (byte {raw[exc.start]:#04x}); save the "
+                    "meta file as UTF-8"
+                ) from None
 
 
 def _rows(path: Path, num_fields: int, what: str):
@@ -115,18 +127,17 @@ def _rows(path: Path, num_fields: int, what: str):
     if not path.is_file():
         raise FileNotFoundError(f"IJB meta file not found: {path}")
     empty = True
-    with open(path, encoding="utf-8-sig") as f:
-        for number, line in _numbered_lines(f, path):
-            fields = line.split()
-            if not fields:
-                continue
-            empty = False
-            if len(fields) != num_fields:
-                raise ValueError(
-                    f"{path}:{number}: expected {num_fields} fields ({what}), got "
-                    f"{len(fields)}: {line.strip()!r}"
-                )
-            yield number, fields
+    for number, line in numbered_lines(path):
+        fields = line.split()
+        if not fields:
+            continue
+        empty = False
+        if len(fields) != num_fields:
+            raise ValueError(
+                f"{path}:{number}: expected {num_fields} fields ({what}), got "
+                f"{len(fields)}: {line.strip()!r}"
+            )
+        yield number, fields
     if empty:
         raise ValueError(f"{path}: no lines; expected {what}")
 
@@ -198,18 +209,24 @@ def _is_float(value: str) -> bool:
     return True
 
 
-def load_protocol(root: str | os.PathLike, name: str, check_images: bool = True) -> IJBProtocol:
+def load_protocol(
+    root: str | os.PathLike, name: str, check_images: bool = True, pairs: bool = True
+) -> IJBProtocol:
     """Read and cross-check the three meta files of ``name`` under ``root``.
 
     Every face_tid_mid image needs a landmark line; with ``check_images`` every image must
-    exist under ``<root>/loose_crop/``. Raises FileNotFoundError naming a missing meta file
-    or image (and the face_tid_mid line listing it), ValueError naming file:line of a
-    malformed line.
+    exist under ``<root>/loose_crop/``. Without ``pairs`` the pairs file is not read (the
+    1:N mode needs only the images): ``pairs`` and ``issame`` are then empty. Raises
+    FileNotFoundError naming a missing meta file or image (and the face_tid_mid line
+    listing it), ValueError naming file:line of a malformed line.
     """
     root = Path(root)
     files = meta_files(root, name)
     names, templates, media, lines = read_faces(files["faces"])
-    pairs, issame = read_pairs(files["pairs"])
+    if pairs:
+        pair_ids, issame = read_pairs(files["pairs"])
+    else:
+        pair_ids, issame = np.empty((0, 2), np.int64), np.empty(0, bool)
     points = read_landmarks(files["landmarks"])
 
     # An image listed on several face_tid_mid lines is embedded once.
@@ -239,7 +256,7 @@ def load_protocol(root: str | os.PathLike, name: str, check_images: bool = True)
         face_image=face_image,
         face_template=templates,
         face_media=media,
-        pairs=pairs,
+        pairs=pair_ids,
         issame=issame,
     )
 
@@ -344,28 +361,62 @@ def load_features(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(features (I, D), readable (I,)) from a file of :func:`save_features`.
 
-    Raises ValueError naming ``path`` when it is unreadable, holds other images than
-    ``images`` (another set), or was made with other ``settings`` (naming the setting).
+    Raises ValueError naming ``path`` when it is unreadable or damaged, holds other images
+    than ``images`` (another set), or was made with other ``settings`` (naming the
+    setting; for ``model``, the checkpoints of both).
     """
     path = Path(path)
     with open_npz(path, "features file") as data:
         missing = [k for k in ("features", "readable", "images") if k not in data.files]
         if missing:
             raise ValueError(f"{path}: missing key(s) {missing}; not an IJB features file")
-        for key, value in settings.items():
-            stored = data[f"setting_{key}"].item() if f"setting_{key}" in data.files else None
-            if stored != str(value):
-                raise ValueError(
-                    f"{path}: features made with {key} = {stored!r}, this run has {value!r}; "
-                    "remove the file or name another --save-features"
-                )
-        features, readable = data["features"], data["readable"]
-        stored_images = data["images"]
+        try:
+            stored = {
+                key: data[f"setting_{key}"].item() if f"setting_{key}" in data.files else None
+                for key in [*settings, "checkpoint"]
+            }
+            features, readable = data["features"], data["readable"]
+            stored_images = data["images"]
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+            # A damaged member (its CRC fails) or one that needs pickle.
+            raise ValueError(f"{path}: cannot read its arrays: {exc}") from None
+    for key, value in settings.items():
+        if stored[key] == str(value):
+            continue
+        if key == "model":
+            raise ValueError(
+                f"{path}: features made by another model (checkpoint "
+                f"{stored['checkpoint']}) than this run's; remove the file or name another "
+                "--save-features"
+            )
+        raise ValueError(
+            f"{path}: features made with {key} = {stored[key]!r}, this run has {value!r}; "
+            "remove the file or name another --save-features"
+        )
     if stored_images.shape != (len(images),) or not np.array_equal(stored_images, images):
-        raise ValueError(f"{path}: features of other images than this protocol's")
-    if features.shape[0] != len(images) or readable.shape != (len(images),):
+        raise ValueError(
+            f"{path}: features of {stored_images.size} other images than this protocol's "
+            f"{len(images)}; remove the file or name another --save-features"
+        )
+    if (
+        features.ndim != 2
+        or features.shape[0] != len(images)
+        or readable.shape != (len(images),)
+        or features.dtype.kind != "f"
+    ):
         raise ValueError(f"{path}: arrays do not match its {len(images)} images")
     return features.astype(np.float32, copy=False), readable.astype(bool, copy=False)
+
+
+def model_digest(model: nn.Module) -> str:
+    """SHA-256 of ``model``'s state (names, dtypes, shapes, bytes): the same weights give the
+    same digest whichever file or device they came from."""
+    digest = hashlib.sha256()
+    for key, value in model.state_dict().items():
+        tensor = value.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{key}:{tensor.dtype}:{tuple(value.shape)};".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------ templates
@@ -376,6 +427,7 @@ def template_features(
     readable: np.ndarray,
     protocol: IJBProtocol,
     score_weight: bool = False,
+    more_templates: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Pool image features into templates: (template ids (T,) sorted, unit features (T, D)).
 
@@ -383,7 +435,8 @@ def template_features(
     ``score_weight``. A media's rows (same template and media id) are averaged, a
     template's media summed and L2-normalised. Rows of unreadable images are left out; a
     template left with no row, or whose pooled feature is zero, gets a zero feature.
-    Templates are every id of face_tid_mid and of the pairs.
+    Templates are every id of face_tid_mid, of the pairs and of ``more_templates`` (the
+    1:N lists).
     """
     features = np.asarray(features, np.float32)
     rows = np.flatnonzero(readable[protocol.face_image])  # face rows with a feature
@@ -392,7 +445,10 @@ def template_features(
     if score_weight:
         row_features *= protocol.detector_scores[image, None]
 
-    template_ids = np.unique(np.concatenate([protocol.face_template, protocol.pairs.ravel()]))
+    listed = [protocol.face_template, protocol.pairs.ravel()]
+    if more_templates is not None:
+        listed.append(np.asarray(more_templates, np.int64).ravel())
+    template_ids = np.unique(np.concatenate(listed))
     # Media: one group per (template, media) pair, averaged.
     keys = np.stack([protocol.face_template[rows], protocol.face_media[rows]], axis=1)
     media_keys, media_of_row = np.unique(keys, axis=0, return_inverse=True)
@@ -424,7 +480,7 @@ def _add_rows(out: np.ndarray, index: np.ndarray, values: np.ndarray) -> None:
 # ------------------------------------------------------------------------------ scores
 
 
-def _default_threads() -> int:
+def default_threads() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
@@ -483,7 +539,7 @@ def score_pairs(
             np.einsum("pd,pd->p", a[:n], b[:n], out=out[:n])
             scores[pairs] = out[:n]
 
-    num_threads = num_threads or _default_threads()
+    num_threads = num_threads or default_threads()
     bounds = np.linspace(0, num_pairs, num_threads + 1).astype(np.int64)
     if num_threads == 1:
         score_range(0, num_pairs)
@@ -568,6 +624,69 @@ def _size_text(image_size: int | Sequence[int]) -> str:
     return f"{height}x{width}"
 
 
+def cached_features(features_path: str | os.PathLike | None) -> bool:
+    """Whether ``features_path`` names a features file to read (no model then runs).
+
+    Raises ValueError when it names something that is not a file (a folder), before hours
+    of extraction would end in a failed write.
+    """
+    if features_path is None:
+        return False
+    path = Path(features_path)
+    if path.exists() and not path.is_file():
+        raise ValueError(f"--save-features: {path} exists and is not a file")
+    return path.is_file()
+
+
+def protocol_features(
+    protocol: IJBProtocol,
+    *,
+    checkpoint: str | os.PathLike | None = None,
+    features_path: str | os.PathLike | None = None,
+    image_size: int | Sequence[int] | None = None,
+    extraction: Extraction = DEFAULT_EXTRACTION,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Image features (I, D) and readable mask (I,) of ``protocol``: from ``features_path``
+    when it is a file, else by the backbone of ``checkpoint`` (written to ``features_path``
+    when given). Both modes call it, so one file serves 1:1 and 1:N.
+
+    The file records the release, flip, input size and a digest of the model's weights; a
+    run that knows one of them (the model and size only with ``checkpoint``) refuses a file
+    made otherwise. ``image_size`` defaults to the checkpoint's. Unreadable images are
+    logged.
+    """
+    cached = cached_features(features_path)
+    settings = {"release": protocol.name, "flip": str(extraction.flip)}
+    backbone = None
+    if checkpoint is not None:
+        device = torch.device("cpu") if cached else (extraction.device or torch.device("cpu"))
+        backbone, trained_size = load_backbone(checkpoint, device)
+        image_size = image_size or trained_size
+        settings["model"] = model_digest(backbone)
+    if image_size is not None:
+        settings["image_size"] = _size_text(image_size)
+    if cached:
+        features, readable = load_features(features_path, protocol.images, settings)
+        log.info("read the features of %d images from %s", len(features), features_path)
+    else:
+        if backbone is None:
+            raise ValueError("--ijb: needs --checkpoint (or an existing --save-features file)")
+        features, readable = image_features(backbone, protocol, image_size, extraction)
+        if features_path is not None:
+            settings["checkpoint"] = str(Path(checkpoint).resolve())
+            save_features(features_path, features, readable, protocol.images, settings)
+            log.info("wrote the features of %d images to %s", len(features), features_path)
+    num_unreadable = int((~readable).sum())
+    if num_unreadable:
+        bad = [protocol.images[i] for i in np.flatnonzero(~readable)[:5]]
+        log.warning(
+            "%d images could not be decoded and were left out (first: %s)",
+            num_unreadable,
+            ", ".join(bad),
+        )
+    return features, readable
+
+
 def evaluate_ijb(
     root: str | os.PathLike,
     name: str,
@@ -586,37 +705,23 @@ def evaluate_ijb(
     """IJB 1:1 verification of a checkpoint (or of cached image features) on ``root``.
 
     With ``features_path`` naming an existing file the image features come from it (no
-    model runs; it must have been made with the same checkpoint, input size and flip when
-    those are given); otherwise the backbone of ``checkpoint`` embeds every image (at
-    ``image_size``, default the checkpoint's) and, with ``features_path``, they are saved
-    there. Returns :func:`roc_metrics`' dict plus ``name``, ``num_images``,
-    ``num_unreadable_images``, ``num_templates`` (those the pairs use),
-    ``num_templates_without_feature``, ``num_pairs``, ``num_genuine``, ``num_impostor``,
-    ``num_pairs_without_feature``, ``score_weight`` and ``flip``.
+    model runs; it must have been made with the same release, flip and, when given, the same
+    checkpoint weights and input size); otherwise the backbone of ``checkpoint`` embeds every
+    image (at ``image_size``, default the checkpoint's) and, with ``features_path``, they are
+    saved there (:func:`protocol_features`). Returns :func:`roc_metrics`' dict plus
+    ``name``, ``num_images``, ``num_unreadable_images``, ``num_templates`` (those the pairs
+    use), ``num_templates_without_feature``, ``num_pairs``, ``num_genuine``,
+    ``num_impostor``, ``num_pairs_without_feature``, ``score_weight`` and ``flip``.
     """
-    cached = features_path is not None and Path(features_path).is_file()
-    protocol = load_protocol(root, name, check_images=not cached)
-    settings = {"flip": str(flip)}
-    if checkpoint is not None:
-        settings["checkpoint"] = str(Path(checkpoint).resolve())
-    if cached:
-        if image_size is not None:
-            settings["image_size"] = _size_text(image_size)
-        features, readable = load_features(features_path, protocol.images, settings)
-        log.info("read the features of %d images from %s", len(features), features_path)
-    else:
-        if checkpoint is None:
-            raise ValueError("--ijb: needs --checkpoint (or an existing --save-features file)")
-        device = device or torch.device("cpu")
-        backbone, trained_size = load_backbone(checkpoint, device)
-        image_size = image_size or trained_size
-        extraction = Extraction(batch_size, flip, device, num_workers, progress)
-        features, readable = image_features(backbone, protocol, image_size, extraction)
-        if features_path is not None:
-            settings["image_size"] = _size_text(image_size)
-            save_features(features_path, features, readable, protocol.images, settings)
-            log.info("wrote the features of %d images to %s", len(features), features_path)
-
+    protocol = load_protocol(root, name, check_images=not cached_features(features_path))
+    extraction = Extraction(batch_size, flip, device, num_workers, progress)
+    features, readable = protocol_features(
+        protocol,
+        checkpoint=checkpoint,
+        features_path=features_path,
+        image_size=image_size,
+        extraction=extraction,
+    )
     template_ids, unit = template_features(features, readable, protocol, score_weight)
     left, right = (np.searchsorted(template_ids, protocol.pairs[:, k]) for k in (0, 1))
     has_feature = np.linalg.norm(unit, axis=1) > 0
@@ -626,14 +731,6 @@ def evaluate_ijb(
 
     used = np.unique(protocol.pairs)
     templates_without = used[~has_feature[np.searchsorted(template_ids, used)]]
-    num_unreadable = int((~readable).sum())
-    if num_unreadable:
-        bad = [protocol.images[i] for i in np.flatnonzero(~readable)[:5]]
-        log.warning(
-            "%d images could not be decoded and were left out (first: %s)",
-            num_unreadable,
-            ", ".join(bad),
-        )
     if len(templates_without):
         log.warning(
             "%d templates have no readable image (first ids: %s); their %d pairs score %g",
@@ -645,7 +742,7 @@ def evaluate_ijb(
     results = {
         "name": name,
         "num_images": len(protocol.images),
-        "num_unreadable_images": num_unreadable,
+        "num_unreadable_images": int((~readable).sum()),
         "num_templates": len(used),
         "num_templates_without_feature": len(templates_without),
         "num_pairs": len(scores),
