@@ -10,9 +10,14 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from recognition.compat import torch_version_error
 from recognition.config import ConfigError, load_config
+
+# Seconds a rank > 0 waits before leaving on an error every rank met, so that rank 0 says it
+# before torchrun stops the job.
+REPLICA_GRACE_S = 2.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,37 +46,60 @@ def main(argv: list[str] | None = None) -> int:
     from recognition.data.workers import error_message
     from recognition.distributed import is_collective_failure
     from recognition.logging import log_to_files
+    from recognition.pipeline import PipelineError
     from recognition.training import TrainingError, train
 
+    rank = int(os.environ.get("RANK", "0"))
     try:
         train(cfg)
-    # OSError: files and folders (a missing or unreadable one, a full disk), named in the
-    # message by the code that raised it.
-    except (TrainingError, ConfigError, ValueError, OSError) as exc:
-        message = error_message(exc)  # a loader worker's error without its traceback
-        # One line on the console (this one); train.log keeps it too.
-        log_to_files(logging.ERROR, message)
-        print(f"error: {message}", file=sys.stderr)
-        return 1
-    except Exception as exc:
-        if not is_collective_failure(exc):
+    except Exception as raised:
+        # OSError: files and folders (a missing or unreadable one, a full disk), named in the
+        # message by the code that raised it. A pipeline schedule re-raises a stage's error
+        # as the cause of its own RuntimeError: the cause is what to report.
+        exc = _reported(raised, (TrainingError, ConfigError, ValueError, OSError))
+        if exc is not None:
+            message = error_message(exc)  # a loader worker's error without its traceback
+            log_to_files(logging.ERROR, message)  # train.log (train.rank<R>.log) keeps it
+            # What every rank finds alike (the config, the pipeline's layout, the checkpoint
+            # rank 0 chose) is said once, by rank 0; the others give it a moment to.
+            if rank > 0 and isinstance(exc, ConfigError | PipelineError | TrainingError):
+                time.sleep(REPLICA_GRACE_S)
+            else:
+                print(f"error: {message}", file=sys.stderr)
+            return 1
+        if not is_collective_failure(raised):
             raise
-        rank = os.environ.get("RANK", "0")
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        message = (
-            f"rank {rank}: stopping, a collective operation failed: another rank died or did "
-            f"not answer within train.timeout_s={cfg.train.timeout_s:g} s (its own log, "
-            f"train.rank<R>.log or torchrun's output, says why). The last checkpoint in "
-            f"{cfg.run_dir / 'checkpoints'} is intact; train.resume=auto continues from it. "
-            f"[{detail}]"
-        )
-        log_to_files(logging.ERROR, message)
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        logging.shutdown()
-        # A process group whose peer is gone cannot be torn down (gloo aborts, NCCL may
-        # block in its destructors): leave at once, with the status torchrun expects.
-        os._exit(1)
+        _collective_failure(raised, rank, cfg.train.timeout_s, cfg.run_dir)
     return 0
+
+
+def _reported(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+    """`exc`, or the first exception of its cause chain, that is one of `kinds`; else None."""
+    while exc is not None:
+        if isinstance(exc, kinds):
+            return exc
+        exc = exc.__cause__
+    return None
+
+
+def _collective_failure(exc: BaseException, rank: int, timeout_s: float, run_dir) -> None:
+    """Say that a peer rank failed (one line, this rank's), and leave at once."""
+    from recognition.logging import log_to_files
+
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    message = (
+        f"rank {rank}: stopping, a collective operation failed: another rank died or did "
+        f"not answer within train.timeout_s={timeout_s:g} s (its own log, "
+        f"train.rank<R>.log or torchrun's output, says why). The last checkpoint in "
+        f"{run_dir / 'checkpoints'} is intact; train.resume=auto continues from it. "
+        f"[{detail}]"
+    )
+    log_to_files(logging.ERROR, message)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    # A process group whose peer is gone cannot be torn down (gloo aborts, NCCL may block in
+    # its destructors): leave at once, with the status torchrun expects.
+    os._exit(1)
 
 
 if __name__ == "__main__":

@@ -597,6 +597,13 @@ def check_pipeline(cfg: ExperimentConfig) -> None:
             f"model.micro_batch_size={model.micro_batch_size} does not divide "
             f"train.batch_size={batch}"
         )
+    if batch // cfg.micro_batches < 2:
+        raise ConfigError(
+            f"model.micro_batch_size: micro-batches of {batch // cfg.micro_batches} sample "
+            f"(train.batch_size={batch} in {cfg.micro_batches}) cannot train: BatchNorm "
+            "needs at least 2 samples; set model.micro_batch_size >= 2 (or raise "
+            "train.batch_size)"
+        )
     if model.pipeline_schedule == "1f1b" and cfg.micro_batches < stages:
         raise ConfigError(
             f"model.pipeline_schedule=1f1b needs at least model.pipeline_stages={stages} "

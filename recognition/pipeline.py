@@ -197,6 +197,13 @@ def plan_stages(
     return ranges[::-1]
 
 
+def check_stages(model_cfg: ModelConfig, image_hw: tuple[int, int], num_stages: int) -> None:
+    """Raise PipelineError, naming the key, when the backbone cannot be cut into
+    `num_stages` stages as `model.pipeline_split` says (nothing built: the meta device)."""
+    _, units, costs = _meta_unit_costs(model_cfg, image_hw)
+    plan_stages(units, costs, num_stages, model_cfg.pipeline_split)
+
+
 @dataclass(frozen=True)
 class StagePlan:
     """How a backbone is cut: its units, their forward FLOPs, every stage's unit range, and

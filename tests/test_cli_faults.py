@@ -262,3 +262,20 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+def test_an_error_a_pipeline_schedule_wraps_is_reported_by_its_cause(monkeypatch, capsys):
+    # torch.distributed.pipelining re-raises a stage's exception as the cause of a
+    # RuntimeError of its own ("... The above exception was the direct cause").
+    import recognition.training as training
+
+    def stage_fails(cfg):
+        try:
+            raise ValueError("data.root: /x/p2/1.jpg: cannot decode image")
+        except ValueError as exc:
+            raise RuntimeError("Stage 0 failed in forward_one_chunk") from exc
+
+    monkeypatch.setattr(training, "train", stage_fails)
+    assert train.main(["eval.targets=[]"]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert line == "error: data.root: /x/p2/1.jpg: cannot decode image"

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Sampler
 
@@ -47,6 +48,7 @@ from recognition.pipeline import (
     LabelsOnly,
     PipelineLayout,
     build_stage_backbone,
+    check_stages,
     gather_backbone,
     make_layout,
 )
@@ -163,7 +165,9 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
     Writes config.yaml (and, unless `resuming`, classes.txt: a resumed run's classes are
     checked against its checkpoint first) into the run directory on rank 0.
     """
-    _check_memory_format(cfg, dist_info.device)
+    _check_backbone(cfg, dist_info)
+    if _pipelined(cfg):  # before the mesh: a layout that cannot be cut stops every rank alike
+        check_stages(cfg.model, cfg.data.image_hw, cfg.model.pipeline_stages)
     layout = make_layout(cfg.model.pipeline_stages, dist_info) if _pipelined(cfg) else None
     num_replicas = layout.dp_size if layout is not None else dist_info.world_size
     data, sampler, decode = _build_data(cfg, dist_info, layout)
@@ -306,16 +310,25 @@ def _wrap_model(cfg: ExperimentConfig, dist_info: DistInfo, backbone: nn.Module)
     return model
 
 
-def _check_memory_format(cfg: ExperimentConfig, device: torch.device) -> None:
-    """Refuse channels-last training on a CPU for a backbone oneDNN would get wrong there
-    (before anything is built: the backbone is made on the meta device to be looked at)."""
-    if not cfg.data.channels_last or device.type != "cpu":
-        return
+def _check_backbone(cfg: ExperimentConfig, dist_info: DistInfo) -> None:
+    """Refuse, before anything is built, what the backbone cannot train (it is made on the
+    meta device to be looked at): channels-last on a CPU where oneDNN gets its gradient
+    wrong, and batches of one sample for BatchNorm."""
     with torch.device("meta"):
         backbone = backbone_from_config(cfg.model, cfg.data.image_hw)
     what = f"{cfg.model.backbone} at model.width={cfg.model.width:g}"
-    if (refusal := channels_last_refusal(backbone, what)) is not None:
-        raise ConfigError(refusal)
+    if cfg.data.channels_last and dist_info.device.type == "cpu":
+        if (refusal := channels_last_refusal(backbone, what)) is not None:
+            raise ConfigError(refusal)
+    # SyncBatchNorm pools the ranks' samples; a pipeline's micro-batches are checked with
+    # the config (recognition.config.check_pipeline).
+    pooled = cfg.model.sync_bn and dist_info.is_distributed
+    has_batch_norm = any(isinstance(m, _BatchNorm) for m in backbone.modules())
+    if cfg.train.batch_size < 2 and has_batch_norm and not pooled and not _pipelined(cfg):
+        raise ConfigError(
+            f"train.batch_size=1: {what} has BatchNorm layers, which cannot train on one "
+            "sample per process; use at least 2 (train.accumulate_steps adds batches up)"
+        )
 
 
 def _build_data(
