@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import folder_overrides
 from test_cli import make_folder, tiny_args
 
 import evaluate
@@ -279,3 +280,39 @@ def test_an_error_a_pipeline_schedule_wraps_is_reported_by_its_cause(monkeypatch
     assert train.main(["eval.targets=[]"]) == 1
     line = one_error_line(capsys.readouterr().err)
     assert line == "error: data.root: /x/p2/1.jpg: cannot decode image"
+
+
+# ---- data.decode=gpu: odd and damaged files in a batch ---------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_decode_gpu_with_png_cmyk_and_a_damaged_jpeg(tmp_path, monkeypatch, capsys, workers):
+    """The batches decoded by the device path (here on the CPU device: no GPU in CI), with
+    PNGs and CMYK JPEGs (the workers decode them) and a JPEG that only the device decoder
+    finds damaged (the main process names it): one line, and the checkpoints of the run it
+    stopped are as they were."""
+    from test_gpu_decode import bogus_huffman, encode, face
+    from test_gpu_decode import make_folder as face_folder
+
+    monkeypatch.setattr("recognition.training.build.resolve_decode", lambda *args: "gpu")
+    data = face_folder(tmp_path / "faces", identities=4, per=5)
+    out = tmp_path / "run"
+    args = [
+        *folder_overrides(data, out), "model.width=0.25", "model.embedding_size=8",
+        "train.batch_size=8", "train.epochs=4", "train.progress=false", "eval.targets=[]",
+        "train.checkpoint_every=1", "train.keep_checkpoints=100", f"data.num_workers={workers}",
+    ]  # fmt: skip
+    for name, image in (("0_png.png", face(50)), ("1_cmyk.jpg", face(51).convert("CMYK"))):
+        for identity in ("id0", "id1"):
+            (data / identity / name).write_bytes(encode(image, name[-3:].replace("jpg", "JPEG")))
+    assert train.main([*args, "train.max_steps=2"]) == 0  # odd files, no damaged one: trains
+    kept = {p: p.read_bytes() for p in (out / "checkpoints").glob("step_*/*")}
+    assert len(kept) >= 2
+
+    bad = data / "id2" / "9_bogus.jpg"
+    bad.write_bytes(bogus_huffman(encode(face(52))))
+    assert train.main([*args, "train.resume=true"]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: {bad}: cannot decode") and "data.on_bad_image=skip" in line
+    for path, content in kept.items():
+        assert path.read_bytes() == content
