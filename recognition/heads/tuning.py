@@ -18,6 +18,7 @@ measured again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -95,10 +96,9 @@ class TuningCache:
             tmp.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
             os.replace(tmp, path)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            self._warn(
-                path, f"cannot write the tuning cache {path}: {exc}; it is measured again next run"
-            )
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            self._warn(f"cannot write the tuning cache {path}: {exc}; measured again next run")
 
     def _load(self, kind: str) -> dict[str, dict]:
         path = self.path(kind)
@@ -107,7 +107,7 @@ class TuningCache:
         except FileNotFoundError:
             return {}
         except OSError as exc:
-            self._warn(path, f"cannot read the tuning cache {path}: {exc}; measuring instead")
+            self._warn(f"cannot read the tuning cache {path}: {exc}; measuring instead")
             return {}
         try:
             data = json.loads(text)
@@ -119,13 +119,13 @@ class TuningCache:
             ):
                 raise ValueError("its entries are not a mapping of objects")
         except ValueError as exc:
-            self._warn(path, f"ignoring the tuning cache {path} ({exc}); measuring instead")
+            self._warn(f"ignoring the tuning cache {path} ({exc}); measuring instead")
             return {}
         return entries
 
-    def _warn(self, path: Path, message: str) -> None:
-        if str(path) not in self._warned:
-            self._warned.add(str(path))
+    def _warn(self, message: str) -> None:
+        if message not in self._warned:  # once per cache object and problem
+            self._warned.add(message)
             logger.warning(message)
 
 

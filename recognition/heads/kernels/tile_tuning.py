@@ -46,6 +46,7 @@ MAX_CANDIDATES = 6  # per kernel, the table's tiles included
 TUNE_CLASSES = 1 << 17  # scratch classes (fewer when the run has fewer)
 MIN_TUNED_WORK = 1 << 30  # N x classes x D below which the table's tiles are used untimed
 UPDATES = ("none", "sgd", "momentum", "nesterov")
+SCALE = 64.0  # the logit scale s of the scratch problem
 
 # Tiles chosen in this process, by cache key: a forward looks them up without the disk.
 _TUNED: dict[str, object] = {}
@@ -277,7 +278,8 @@ class ScratchProblem:
         self.target_pos = target.to(device)
         eps = max(1e-12, torch.finfo(shape.weight_dtype).tiny)
         self.inv_norm = kernels.inverse_norms(self.weight, self.row_index, eps)
-        self.row_max = torch.zeros(shape.num_rows, device=device)
+        # The scale s bounds every logit: exp(logit - s) <= 1, nothing overflows.
+        self.row_max = torch.full((shape.num_rows,), SCALE, device=device)
         self.grad_sumexp = torch.full((shape.num_rows,), 1.0 / shape.num_rows, device=device)
         self.sgd, self.target_grad = None, None
         if shape.update != "none":
@@ -286,7 +288,9 @@ class ScratchProblem:
             if momentum:
                 buffer = torch.zeros(num_weight_rows, shape.dim, device=device)
             nesterov = shape.update == "nesterov"
-            self.sgd = kernels.SGDUpdate(0.01, momentum, 5e-4, nesterov, buffer)
+            # lr 0: the kernel loads, updates and stores the rows as in training, but their
+            # values (and so the inverse norms above) stay put from one timed run to the next.
+            self.sgd = kernels.SGDUpdate(0.0, momentum, 5e-4, nesterov, buffer)
             positions = torch.unique(target[target >= 0]).to(device)
             rows = positions if self.row_index is None else self.row_index[positions]
             self.target_grad = (rows, torch.zeros(rows.numel(), shape.dim, device=device))
@@ -297,10 +301,10 @@ class ScratchProblem:
         kernels = _kernels()
         common = (self.embeddings, self.weight, self.row_index, self.inv_norm, self.target_pos)
         if name == "forward":
-            kernels.class_stats(*common, 64.0, self.shape.matmul_dtype, tiles)
+            kernels.class_stats(*common, SCALE, self.shape.matmul_dtype, tiles)
             return
         kernels.class_stats_backward(
-            *common, self.row_max, self.grad_sumexp, 64.0, self.shape.matmul_dtype, tiles,
+            *common, self.row_max, self.grad_sumexp, SCALE, self.shape.matmul_dtype, tiles,
             want_weight=name == "grad_weight",
             target_grad=self.target_grad if name == "grad_weight" else None,
             sgd=self.sgd if name == "grad_weight" else None,
