@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port, init_gloo_rank, tiny_config, tiny_run_overrides
+from helpers import free_port, init_gloo_rank, needs_cuda, tiny_config, tiny_run_overrides
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import recognition.training.loop as loop
@@ -316,9 +316,6 @@ def test_steady_state_steps_do_not_sync_on_two_ranks(image_folder, tmp_path, lay
     for rank in range(2):
         syncs = (tmp_path / f"syncs.{rank}.txt").read_text()
         assert not syncs, f"rank {rank}:\n{syncs[:3000]}"
-
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @needs_cuda

@@ -98,11 +98,12 @@ def footprint(kernel: str, d_pad: int, tiles) -> float:
     return values / (32 * tiles.num_warps)
 
 
-def candidates(kernel: str, d_pad: int, table, limit: int = MAX_CANDIDATES) -> list:
+def candidates(kernel: str, d_pad: int, table, limit: int | None = None) -> list:
     """The table's tiles first, then the neighbours that fit (valid for the compiler, a D
     step within D, a footprint no larger than the table's), fewest changes first, at most
-    `limit` in all."""
+    `limit` (default MAX_CANDIDATES) in all."""
     kernels = _kernels()
+    limit = MAX_CANDIDATES if limit is None else limit
     bound = footprint(kernel, d_pad, table)
     options = []
     # Each axis: the table's value first, then the changes in the order they are tried.
@@ -170,8 +171,10 @@ def tiles_for(
         if tiles is None:
             tiles = _cached_tiles(cache, key)
         if tiles is None:
-            problem = problem or ScratchProblem(device, shape)
-            tiles, timings = tune_kernel(name, problem, table, timer)
+            # Outside the caller's autocast and autograd: the scratch problem is its own.
+            with torch.autocast(device.type, enabled=False), torch.no_grad():
+                problem = problem or ScratchProblem(device, shape)
+                tiles, timings = tune_kernel(name, problem, table, timer)
             if cache is not None and any(t["ms"] is not None for t in timings):
                 cache.put("tiles", key, {"tiles": asdict(tiles), "timings": timings})
             _log_tuned(name, shape, device, tiles, getattr(table, name), timings)
