@@ -76,6 +76,14 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, repeats: int = 10) -
     return 2 * n**3 / statistics.median(times[2:]) / 1e12
 
 
+def matmul_dtype(cfg: ExperimentConfig, device: torch.device) -> torch.dtype:
+    """The dtype of the step's matmuls: the precision's half type, float32 under O0 or on a
+    CPU (where this benchmark's reference matmul runs in float32)."""
+    if cfg.precision.level == "O0" or device.type == "cpu":
+        return torch.float32
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.precision.dtype]
+
+
 def model_parts(cfg: ExperimentConfig, device: torch.device, num_classes: int):
     """Backbone (maybe compiled), head, optimizer and Precision as `training.build` makes them
     on one process."""
@@ -217,10 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
             cfg = load_config(args.config, overrides)
             if matmul is None:
-                dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.precision.dtype]
-                if cfg.precision.level == "O0" or device.type == "cpu":
-                    dtype = torch.float32
-                matmul = matmul_tflops(device, dtype)
+                matmul = matmul_tflops(device, matmul_dtype(cfg, device))
             model = measure_model(cfg, device, args.classes, args.steps, args.warmup)
             base = {"backbone": backbone, "compile": compiled}
             rows.append({**base, "what": "model only", **model})
