@@ -294,8 +294,19 @@ class _LocalClassStats(torch.autograd.Function):
         if want_weight:
             raw_rows = weight[target_row.clamp(min=0)].to(stats_dtype)
             grad_rows = _l2_normalize_backward(raw_rows, grad_target * norm_embeddings)
-            grad_weight.index_add_(0, target_row[owned], grad_rows[owned].to(weight.dtype))
+            _add_target_rows_(grad_weight, target_row, grad_rows)
         return grad_embeddings, grad_weight, None, None, None, None, None, None
+
+
+def _add_target_rows_(grad_weight: Tensor, target_row: Tensor, grad_rows: Tensor) -> None:
+    """grad_weight[target_row[i]] += grad_rows[i] for the owned rows (target_row >= 0).
+
+    Without a boolean mask, whose count a GPU would read on the host: an unowned row adds
+    its gradient - zero, as its target cosine has none - to row 0.
+    """
+    owned = (target_row >= 0)[:, None]
+    rows = torch.where(owned, grad_rows, 0.0).to(grad_weight.dtype)
+    grad_weight.index_add_(0, target_row.clamp(min=0), rows)
 
 
 def _triton_kernels() -> ModuleType:
@@ -441,7 +452,7 @@ class _TritonClassStats(torch.autograd.Function):
         )  # fmt: skip
         grad_embeddings += grad_target * target_rows
         if grad_weight is not None:
-            grad_weight.index_add_(0, target_row[owned], target_grad_rows[owned].to(weight.dtype))
+            _add_target_rows_(grad_weight, target_row, target_grad_rows)
         return grad_embeddings, grad_weight, None, None, None, None, None, None
 
 
