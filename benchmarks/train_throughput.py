@@ -13,7 +13,8 @@ Two kinds of rows, each for every backbone and for compile off and on (`train.co
   backbone, the config's sharded margin-softmax head, Precision, SGD) on random images that
   already lie on the device, channels-last. Images/s is the batch over the median step time of
   --steps steady-state steps (after --warmup steps, which hold the compilation); TFLOP/s is
-  the FLOPs of one step, counted by `torch.utils.flop_counter` on the eager model, over that
+  the FLOPs of one step, counted by `torch.utils.flop_counter` on the eager model (not
+  those inside Triton kernels: the head's, where head.kernel chose them), over that
   time, and `% mm` its share of a plain matmul of the precision's dtype (8192^3 on a GPU,
   smaller on a CPU) timed in the same run. `mem MiB` is `max_memory_allocated` on a GPU
   (model only and end to end) and the peak RSS of the end-to-end run on a CPU.
@@ -127,7 +128,6 @@ def measure_model(
         memory_format=torch.channels_last
     )
     labels = torch.randint(0, num_classes, (batch_size,), device=device)
-    flops = step_flops(backbone, head, precision, (images, labels))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []
@@ -144,6 +144,10 @@ def measure_model(
             times.append(elapsed)
     step_s = statistics.median(times)
     memory = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    # Counted after the steps: the first step is where head.kernel=auto times its two paths
+    # (on a GPU), which must happen outside the counter's dispatch mode. FLOPs inside Triton
+    # kernels (the head, when auto chose them) are not seen by the counter.
+    flops = step_flops(backbone, head, precision, (images, labels))
     return {
         "images_per_s": batch_size / step_s,
         "step_ms": 1000 * step_s,

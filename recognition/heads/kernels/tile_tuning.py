@@ -265,15 +265,18 @@ class ScratchProblem:
     def __init__(self, device: torch.device, shape: TuneShape) -> None:
         kernels = _kernels()
         self.shape = shape
-        generator = torch.Generator().manual_seed(0)
         num_classes = min(shape.num_classes, TUNE_CLASSES)
         num_weight_rows = 2 * num_classes if shape.has_index else num_classes
-        weight = torch.randn(num_weight_rows, shape.dim, generator=generator) * 0.01
-        self.weight = weight.to(device, shape.weight_dtype)
+        # The class rows drawn where they live (a GPU draws 10^8 numbers at once); the
+        # small tensors on the CPU.
+        on_device = torch.Generator(device=device).manual_seed(0)
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(num_weight_rows, shape.dim, generator=on_device, device=device)
+        self.weight = (weight * 0.01).to(shape.weight_dtype)
         self.row_index = None
         if shape.has_index:  # a sorted sample of half the rows, as partial FC takes them
-            sample = torch.randperm(num_weight_rows, generator=generator)[:num_classes]
-            self.row_index = sample.sort().values.to(device)
+            sample = torch.randperm(num_weight_rows, generator=on_device, device=device)
+            self.row_index = sample[:num_classes].sort().values
         embeddings = torch.randn(shape.num_rows, shape.dim, generator=generator)
         self.embeddings = F.normalize(embeddings, dim=1).to(device)
         target = torch.randint(0, num_classes, (shape.num_rows,), generator=generator)
