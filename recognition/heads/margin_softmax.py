@@ -302,11 +302,13 @@ def _add_target_rows_(grad_weight: Tensor, target_row: Tensor, grad_rows: Tensor
     """grad_weight[target_row[i]] += grad_rows[i] for the owned rows (target_row >= 0).
 
     Without a boolean mask, whose count a GPU would read on the host: an unowned row adds
-    its gradient - zero, as its target cosine has none - to row 0.
+    zeros to some row (row i mod C_local, so that they do not all queue on one row's
+    atomics), which changes nothing.
     """
-    owned = (target_row >= 0)[:, None]
-    rows = torch.where(owned, grad_rows, 0.0).to(grad_weight.dtype)
-    grad_weight.index_add_(0, target_row.clamp(min=0), rows)
+    owned = target_row >= 0
+    spread = torch.arange(target_row.shape[0], device=target_row.device) % grad_weight.shape[0]
+    rows = torch.where(owned[:, None], grad_rows, 0.0).to(grad_weight.dtype)
+    grad_weight.index_add_(0, torch.where(owned, target_row, spread), rows)
 
 
 def _triton_kernels() -> ModuleType:
