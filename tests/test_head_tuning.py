@@ -238,6 +238,7 @@ def tiling(monkeypatch):
     """tile_tuning with an empty in-process memory."""
     tile_tuning = head_module.importlib.import_module("recognition.heads.kernels.tile_tuning")
     monkeypatch.setattr(tile_tuning, "_TUNED", {})
+    monkeypatch.setattr(tile_tuning, "_CONFIGS", {})
     return tile_tuning
 
 
@@ -334,6 +335,7 @@ def test_tiles_are_timed_once_then_cached_per_shape(tiling, tmp_path, monkeypatc
 
     tiling.tiles_for(cpu, small_shape(tiling), cache, timer)  # this process remembers
     monkeypatch.setattr(tiling, "_TUNED", {})
+    monkeypatch.setattr(tiling, "_CONFIGS", {})
     assert tiling.tiles_for(cpu, small_shape(tiling), tuning.TuningCache(tmp_path), timer) == config
     assert len(times) == 6  # a new process reads the cache
 
@@ -345,6 +347,7 @@ def test_tiles_are_timed_once_then_cached_per_shape(tiling, tmp_path, monkeypatc
 
     cache.path("tiles").write_text("{truncated")
     monkeypatch.setattr(tiling, "_TUNED", {})
+    monkeypatch.setattr(tiling, "_CONFIGS", {})
     with caplog.at_level(logging.WARNING, logger=tuning.__name__):
         tiling.tiles_for(cpu, small_shape(tiling), tuning.TuningCache(tmp_path), timer)
     assert len(times) == 20

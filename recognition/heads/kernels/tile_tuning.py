@@ -48,8 +48,10 @@ MIN_TUNED_WORK = 1 << 30  # N x classes x D below which the table's tiles are us
 UPDATES = ("none", "sgd", "momentum", "nesterov")
 SCALE = 64.0  # the logit scale s of the scratch problem
 
-# Tiles chosen in this process, by cache key: a forward looks them up without the disk.
+# Tiles chosen in this process, by cache key (a kernel's), and whole TileConfigs by launch
+# (what a forward asks for, found without building the keys): no disk after the first.
 _TUNED: dict[str, object] = {}
+_CONFIGS: dict[tuple, object] = {}
 
 
 def _kernels() -> ModuleType:
@@ -162,6 +164,9 @@ def tiles_for(
     table = kernels.default_tiles(device, shape.dim, shape.matmul_dtype)
     if not should_tune(device, shape):
         return table
+    launch = (device, shape, torch.are_deterministic_algorithms_enabled(), table)
+    if launch in _CONFIGS:
+        return _CONFIGS[launch]
     timer = timer or (lambda run: tuning.time_steps(run, device, repeats=5))
     chosen, problem = {}, None
     for name in KERNEL_NAMES:
@@ -180,7 +185,8 @@ def tiles_for(
             _log_tuned(name, shape, device, tiles, getattr(table, name), timings)
         _TUNED[text] = tiles
         chosen[name] = tiles
-    return dataclasses.replace(table, **chosen)
+    _CONFIGS[launch] = dataclasses.replace(table, **chosen)
+    return _CONFIGS[launch]
 
 
 def tile_key(kernel: str, device: torch.device, shape: TuneShape) -> dict:
