@@ -470,26 +470,42 @@ def useful_tflops(case: Case, result: dict) -> float:
     return 6 * case.batch_size * case.embedding_size * num_rows / result["step_s"] / 1e12
 
 
-def largest_class_count(case: Case, timeout_s: float, start: int) -> tuple[int, list[dict]]:
+def largest_class_count(
+    case: Case,
+    timeout_s: float,
+    start: int,
+    tolerance: float = 0.01,
+    deadline: float | None = None,
+) -> tuple[int, list[dict]]:
     """The largest classes per rank for which one step of `case` runs: doubling from
-    `start`, then bisection to 1 %; every try in fresh processes. Returns (count, tries)."""
+    `start`, then bisection to `tolerance` of it; every try in fresh processes. With a
+    `deadline` (time.monotonic()), the search stops when no time is left for a try: the
+    count found so far is returned, and the tries say where it stopped. Returns (count,
+    tries)."""
     tries: list[dict] = []
 
-    def fits(num_local: int) -> bool:
+    def fits(num_local: int) -> bool | None:  # None: out of time, nothing learnt
+        limit = timeout_s if deadline is None else min(timeout_s, deadline - time.monotonic())
+        if limit < 1:
+            return None
         trial = Case(**{**asdict(case), "num_classes": num_local * case.world_size,
                         "steps": 1, "warmup": 0})  # fmt: skip
-        result = run_case(trial, timeout_s)
+        result = run_case(trial, limit)
+        if limit < timeout_s and result.get("error", "").startswith("timed out"):
+            return None  # cut short by the deadline, not too large
         tries.append({"classes_per_rank": num_local, "error": result.get("error")})
         outcome = result.get("error") or "fits"
         print(f"  {num_local:,} classes per rank: {outcome}", file=sys.stderr)
         return "error" not in result
 
     low, high = 0, start
-    while fits(high):
+    while ok := fits(high):
         low, high = high, high * 2
-    while high - low > max(1, low // 100):
+    while ok is not None and high - low > max(1, int(low * tolerance)):
         middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
+        ok = fits(middle)
+        if ok is not None:
+            low, high = (middle, high) if ok else (low, middle)
     return low, tries
 
 

@@ -190,7 +190,11 @@ class HeadConfig:
     classes per rank)). None is never replaced by a size chosen automatically."""
     kernel: Literal["auto", "triton", "torch"] = "auto"
     """The head's local statistics: torch (the reference code), triton (fused kernels, CUDA
-    or TRITON_INTERPRET=1) or auto (torch until the kernel is measured on a GPU)."""
+    or TRITON_INTERPRET=1) or auto (on CUDA the faster of the two, timed at the first step
+    at the run's shapes and cached; torch elsewhere)."""
+    tuning_cache: str | None = None
+    """Folder of the head's measured choices (auto's kernel, the Triton tiles), a JSON file
+    each; null: $XDG_CACHE_HOME/recognition (~/.cache/recognition)."""
     fused_update: bool = False
     """Apply the head's SGD step inside the Triton backward (no weight-sized gradient).
     Needs head.kernel=triton, optim.name=sgd, optim.grad_clip=null, train.accumulate_steps=1

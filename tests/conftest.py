@@ -3,7 +3,8 @@
 Devices are chosen, not found: RECOGNITION_AUTO_DEVICE=cpu (below) makes `train.device=auto`
 and `--device auto` mean the CPU, in this process and the ones it starts, so tests that
 compare with a CPU reference (bit-exact resume, float64 sums) run there on a GPU machine as
-well. Tests about CUDA ask for `cuda` explicitly and skip without it.
+well. Tests about CUDA ask for `cuda` explicitly and skip without it; they are marked
+`cuda` (helpers.needs_cuda), and for them `auto` means the GPU.
 
 TRITON_INTERPRET=1 (below) for the head's Triton kernels (tests/test_head_triton.py).
 
@@ -57,6 +58,13 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _auto_device_of_cuda_tests(request, monkeypatch):
+    """A CUDA test (helpers.needs_cuda) leaves `auto` to mean the GPU, in its processes too."""
+    if request.node.get_closest_marker("cuda") is not None:
+        monkeypatch.setenv("RECOGNITION_AUTO_DEVICE", "cuda")
 
 
 @pytest.fixture(scope="session")

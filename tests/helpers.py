@@ -28,6 +28,17 @@ def make_image_folder(root: Path) -> Path:
     return root
 
 
+def needs_cuda(test):
+    """A CUDA test: marked `cuda` (`python -m pytest -m cuda` selects them all, as
+    benchmarks/gpu_check.py does), skipped without a CUDA device, and run with
+    RECOGNITION_AUTO_DEVICE=cuda (conftest.py), so that what it leaves to `auto` is the GPU."""
+    import pytest
+    import torch
+
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    return pytest.mark.cuda(skip(test))
+
+
 def folder_overrides(root: Path, out: Path) -> list[str]:
     """Train on the image folder `root` at 32x32 in this process, writing to `out`."""
     return [

@@ -324,10 +324,7 @@ def test_training_uses_one_loader_iterator_across_epochs(image_folder, tmp_path,
     assert len(calls) == 1
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@needs_cuda
+@helpers.needs_cuda
 def test_training_on_cuda_follows_the_cpu_run(image_folder, tmp_path):
     # Same seed, same batches; the GPU differs by its kernels' rounding (cuDNN convolutions
     # run in TF32 by default, 10 mantissa bits), so the loss curves agree to a tolerance.
@@ -339,7 +336,7 @@ def test_training_on_cuda_follows_the_cpu_run(image_folder, tmp_path):
         assert cuda[step] == pytest.approx(loss, rel=2e-2)
 
 
-@needs_cuda
+@helpers.needs_cuda
 def test_deterministic_training_on_cuda_repeats_exactly(image_folder, tmp_path):
     extra = ("train.device=cuda", "train.deterministic=true", "train.max_steps=6")
     first = losses(train(tiny_config(image_folder, tmp_path / "a", *extra)))

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import needs_cuda
 from PIL import Image
 
 from recognition.config import ConfigError, DataConfig, load_config
@@ -334,10 +335,8 @@ def test_training_losses_equal_with_either_decoder(tmp_path: Path, monkeypatch):
 
 # ---------------------------------------------------------------------- on a GPU (skipped here)
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-
-@cuda_only
+@needs_cuda
 def test_nvjpeg_batches_match_the_cpu_path_within_tolerance(tmp_path: Path):
     """nvJPEG against libjpeg-turbo on the same files: same labels and flips, pixels within
     2 levels on average and 48 at most (of 255; chroma upsampling differs at sharp edges).
@@ -363,7 +362,7 @@ def test_nvjpeg_batches_match_the_cpu_path_within_tolerance(tmp_path: Path):
     assert levels.mean() <= 2.0 and levels.max() <= 48.0
 
 
-@cuda_only
+@needs_cuda
 def test_training_losses_close_with_nvjpeg(tmp_path: Path):
     """10 steps on a CUDA device: the losses with data.decode=gpu stay within 2 % of those
     with cpu (the inputs differ by the decoders' few levels; cuDNN is not deterministic)."""

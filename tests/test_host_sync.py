@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port, init_gloo_rank, tiny_config, tiny_run_overrides
+from helpers import free_port, init_gloo_rank, needs_cuda, tiny_config, tiny_run_overrides
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import recognition.training.loop as loop
@@ -54,8 +54,17 @@ SYNCING_OPS = {
     aten.unique_dim,
     aten.unique_consecutive,
 }
+# Indexing that takes a boolean mask: the number of True entries sizes the result.
+MASK_INDEXING_OPS = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
 # Tensor methods that read values without going through the dispatcher.
 SYNCING_METHODS = ("tolist", "numpy", "__array__")
+
+
+def _has_mask(indices: Any) -> bool:
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+        for i in (indices or [])
+    )
 
 
 class SyncWatcher(TorchDispatchMode):
@@ -80,6 +89,10 @@ class SyncWatcher(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.overloadpacket in SYNCING_OPS:
             self.record(str(func))
+        elif func.overloadpacket in MASK_INDEXING_OPS and _has_mask(args[1]):
+            # x[mask] and x[mask] = y find the mask's True entries (nonzero) inside the op,
+            # below this mode; on a GPU that count is read on the host.
+            self.record(f"{func} with a boolean mask")
         elif func.overloadpacket in (aten._to_copy, aten.copy_):
             source = args[1] if func.overloadpacket is aten.copy_ else args[0]
             target = args[0].device if func.overloadpacket is aten.copy_ else kwargs.get("device")
@@ -278,6 +291,25 @@ def test_the_watcher_sees_a_sync_that_creeps_back(image_folder, tmp_path, monkey
     assert "_local_scalar_dense" in watcher.syncs[0]
 
 
+def test_the_watcher_sees_indexing_by_a_boolean_mask():
+    """x[mask] and x[mask] = y count the mask's True entries inside the op (a host read on a
+    GPU), where the dispatch mode sees only aten.index; indexing by positions reads nothing."""
+    values, rows = torch.arange(6.0), torch.tensor([0, 2])
+    mask = values > 2
+    watcher = SyncWatcher()
+    with watcher.installed(), watcher.watch(True):
+        values[rows]
+        values.index_add_(0, rows, torch.ones(2))
+        torch.where(mask, values, 0.0)
+        assert not watcher.syncs
+        values[mask]
+        values[mask] = 0.0
+    assert [s.splitlines()[0] for s in watcher.syncs] == [
+        "aten.index.Tensor with a boolean mask",
+        "aten.index_put_.default with a boolean mask",
+    ]
+
+
 def _rank_main(rank: int, port: int, args: list[str], out: str) -> None:
     init_gloo_rank(rank, 2, port)
     watcher = SyncWatcher()
@@ -316,9 +348,6 @@ def test_steady_state_steps_do_not_sync_on_two_ranks(image_folder, tmp_path, lay
     for rank in range(2):
         syncs = (tmp_path / f"syncs.{rank}.txt").read_text()
         assert not syncs, f"rank {rank}:\n{syncs[:3000]}"
-
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @needs_cuda

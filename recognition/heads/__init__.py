@@ -32,6 +32,7 @@ def build_head(
         seed=seed,
         device=device,
         kernel=cfg.kernel,
+        tuning_cache=cfg.tuning_cache,
     )
 
 

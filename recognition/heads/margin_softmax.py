@@ -64,9 +64,16 @@ and their gradient in the fused kernels of heads/kernels/margin_softmax_triton.p
 tiles, online softmax, backward recomputing the logits; no (N, C_local) tensor at all, so
 `chunk_size` has nothing left to bound and is not used), on CUDA tensors, or on CPU tensors
 under TRITON_INTERPRET=1; float64 statistics fall back to torch with one log line. Only the
-Triton path can apply a fused SGD step in backward (`attach_fused_update`). "auto" chooses
-torch everywhere for now, with one log line: the kernel has not yet been measured on a GPU
-(README, "Fused head kernel"); once it has, auto will choose triton on CUDA.
+Triton path can apply a fused SGD step in backward (`attach_fused_update`). "auto" decides by
+measurement: at its first forward on a CUDA device (kernels compiled, float32 statistics) it
+times a few forward-and-backward steps of both paths on that forward's own tensors - N, D,
+the rank's classes, the partial-FC sample, the matmul dtype, the chunk size - without
+touching the weight, takes the maximum of each time over the ranks (so that every rank
+chooses alike) and keeps the faster, logging one line with both times; the times are
+cached per device name, versions and shapes (heads/tuning.py; `tuning_cache`), so a later
+run at the same shapes starts without measuring. Elsewhere (the CPU, the interpreter,
+float64) auto is torch, with one log line. The Triton path's tiles are timed too
+(heads/kernels/tile_tuning.py).
 
 Precision. Inputs and the weight may be half precision, and so may the logits matmul (under
 autocast, the autocast dtype; otherwise the wider of the two input dtypes); embeddings are
@@ -83,6 +90,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -94,6 +102,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from recognition import distributed
+from recognition.heads import tuning
 from recognition.heads.margins import Margin
 from recognition.sharded import mark_like, set_row_placement
 
@@ -285,8 +294,21 @@ class _LocalClassStats(torch.autograd.Function):
         if want_weight:
             raw_rows = weight[target_row.clamp(min=0)].to(stats_dtype)
             grad_rows = _l2_normalize_backward(raw_rows, grad_target * norm_embeddings)
-            grad_weight.index_add_(0, target_row[owned], grad_rows[owned].to(weight.dtype))
+            _add_target_rows_(grad_weight, target_row, grad_rows)
         return grad_embeddings, grad_weight, None, None, None, None, None, None
+
+
+def _add_target_rows_(grad_weight: Tensor, target_row: Tensor, grad_rows: Tensor) -> None:
+    """grad_weight[target_row[i]] += grad_rows[i] for the owned rows (target_row >= 0).
+
+    Without a boolean mask, whose count a GPU would read on the host: an unowned row adds
+    zeros to some row (row i mod C_local, so that they do not all queue on one row's
+    atomics), which changes nothing.
+    """
+    owned = target_row >= 0
+    spread = torch.arange(target_row.shape[0], device=target_row.device) % grad_weight.shape[0]
+    rows = torch.where(owned[:, None], grad_rows, 0.0).to(grad_weight.dtype)
+    grad_weight.index_add_(0, torch.where(owned, target_row, spread), rows)
 
 
 def _triton_kernels() -> ModuleType:
@@ -296,6 +318,20 @@ def _triton_kernels() -> ModuleType:
 
 def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _cannot_measure(device: torch.device, stats_dtype: torch.dtype) -> str | None:
+    """Why head.kernel=auto takes torch without measuring here, or None: it measures on a
+    CUDA device, with the kernels compiled, for float32 statistics."""
+    if device.type != "cuda":
+        return f"the Triton kernels run compiled on CUDA devices only, this forward is on {device}"
+    if _triton_interpreting():
+        return "TRITON_INTERPRET is set: the Triton kernels would run interpreted"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if stats_dtype != torch.float32:
+        return f"statistics in {stats_dtype}: the Triton kernels take float32"
+    return None
 
 
 class _FusedSGD:
@@ -311,6 +347,13 @@ class _FusedSGD:
         self.optimizer = optimizer
         self.param = param
         self.group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+
+    @property
+    def kind(self) -> str:
+        """The variant of the update the kernel applies: sgd, momentum or nesterov."""
+        if self.group["momentum"] == 0:
+            return "sgd"
+        return "nesterov" if self.group["nesterov"] else "momentum"
 
     def update(self, kernels: ModuleType) -> Any:
         group = self.group
@@ -336,7 +379,8 @@ class _TritonClassStats(torch.autograd.Function):
     """`_LocalClassStats` (same inputs and outputs) on the fused Triton kernels.
 
     Statistics in float32 only. The target cosine is computed as in `_LocalClassStats`; the
-    non-target statistics and their gradient come from the kernels. With `fused` (a
+    non-target statistics and their gradient come from the kernels, launched with `tiles`
+    (a TileConfig, from `ShardedMarginSoftmax._triton_tiles`). With `fused` (a
     `_FusedSGD`), backward applies the SGD step to the taking-part rows of `weight` in place
     - the kernel's share and the target rows' share together - and returns no gradient for
     the weight.
@@ -352,6 +396,7 @@ class _TritonClassStats(torch.autograd.Function):
         scale: float,
         matmul_dtype: torch.dtype,
         fused: _FusedSGD | None,
+        tiles: Any,
     ) -> tuple[Tensor, Tensor, Tensor]:
         kernels = _triton_kernels()
         with torch.autocast(norm_embeddings.device.type, enabled=False):
@@ -361,9 +406,6 @@ class _TritonClassStats(torch.autograd.Function):
             target_cos = torch.where(owned, (norm_embeddings * target_rows).sum(dim=1), 0.0)
             target_pos = _target_positions(row_index, target_row, owned)
             inv_norm = kernels.inverse_norms(weight, row_index, _norm_eps(weight.dtype))  # (K,)
-            tiles = kernels.default_tiles(
-                norm_embeddings.device, norm_embeddings.shape[1], matmul_dtype
-            )
             row_max, row_sumexp = kernels.class_stats(
                 norm_embeddings, weight, row_index, inv_norm, target_pos, scale, matmul_dtype,
                 tiles,
@@ -412,8 +454,8 @@ class _TritonClassStats(torch.autograd.Function):
         )  # fmt: skip
         grad_embeddings += grad_target * target_rows
         if grad_weight is not None:
-            grad_weight.index_add_(0, target_row[owned], target_grad_rows[owned].to(weight.dtype))
-        return grad_embeddings, grad_weight, None, None, None, None, None
+            _add_target_rows_(grad_weight, target_row, target_grad_rows)
+        return grad_embeddings, grad_weight, None, None, None, None, None, None
 
 
 def _norm_eps(dtype: torch.dtype) -> float:
@@ -576,6 +618,8 @@ class ShardedMarginSoftmax(nn.Module):
     sampling (see the module docstring and `attach_optimizer`). `kernel` picks the
     implementation of the local statistics: "torch", "triton" or "auto" (see the module
     docstring); `attach_fused_update` makes the Triton backward step the class rows itself.
+    `tuning_cache` is the folder of the measured choices (auto's, the Triton tiles'; None:
+    `$XDG_CACHE_HOME/recognition`).
 
     Every rank must call forward with the same local batch size; the loss is the mean over
     the global batch, identical on every rank. See the module docstring for the gradient
@@ -599,6 +643,7 @@ class ShardedMarginSoftmax(nn.Module):
         seed: int = 0,
         device: torch.device | str | None = None,
         kernel: str = "auto",
+        tuning_cache: str | Path | None = None,
     ) -> None:
         super().__init__()
         if kernel not in KERNELS:
@@ -649,6 +694,10 @@ class ShardedMarginSoftmax(nn.Module):
         self._fused: _FusedSGD | None = None
         self._accumulating = False  # inside accumulating(): every forward is the same step's
         self._logged: set[str] = set()  # the one-line notices already logged
+        # head.kernel=auto: "torch" or "triton" by (device type, statistics dtype), and where
+        # measured choices (and the kernels' tiles) are cached.
+        self._auto_kernel: dict[tuple[str, torch.dtype], str] = {}
+        self.tuning_cache = tuning.TuningCache(tuning_cache)
 
     # ---------------------------------------------------------------- the shard
 
@@ -725,16 +774,19 @@ class ShardedMarginSoftmax(nn.Module):
             self._logged.add(message)
             logger.info(message)
 
-    def _uses_triton(self, device: torch.device, stats_dtype: torch.dtype) -> bool:
-        """Whether this forward runs the Triton kernels (logs the choice once when not asked)."""
+    def _uses_triton(
+        self,
+        device: torch.device,
+        stats_dtype: torch.dtype,
+        measure: Callable[[], tuning.KernelChoice],
+    ) -> bool:
+        """Whether this forward runs the Triton kernels. For kernel="auto" the answer of
+        `measure()` (called once per device type and statistics dtype, on CUDA only) or
+        torch; every choice not asked for is logged once."""
         if self.kernel == "torch":
             return False
         if self.kernel == "auto":
-            self._log_once(
-                "head.kernel=auto: using the torch path (the Triton kernel has not been "
-                "measured on a GPU yet; head.kernel=triton selects it)"
-            )
-            return False
+            return self._auto_uses_triton(device, stats_dtype, measure)
         if device.type != "cuda" and not _triton_interpreting():
             raise ValueError(
                 f"head.kernel=triton: the kernels run on CUDA tensors, got {device.type} "
@@ -747,6 +799,109 @@ class ShardedMarginSoftmax(nn.Module):
             )
             return False
         return True
+
+    def _auto_uses_triton(
+        self,
+        device: torch.device,
+        stats_dtype: torch.dtype,
+        measure: Callable[[], tuning.KernelChoice],
+    ) -> bool:
+        where = (device.type, stats_dtype)
+        if where not in self._auto_kernel:
+            why_not = _cannot_measure(device, stats_dtype)
+            if why_not is not None:
+                self._auto_kernel[where] = "torch"
+                self._log_once(f"head.kernel=auto: torch ({why_not})")
+            else:
+                self._auto_kernel[where] = measure().kernel
+        return self._auto_kernel[where] == "triton"
+
+    def _measure_kernels(
+        self,
+        norm_embeddings: Tensor,
+        row_index: Tensor | None,
+        target_row: Tensor,
+        scale: float,
+        matmul_dtype: torch.dtype,
+    ) -> tuning.KernelChoice:
+        """head.kernel=auto: time a few training steps of the local statistics (forward and
+        backward, weight untouched) on this forward's tensors with either implementation, or
+        read the times from the tuning cache, agree with the other ranks and log the choice."""
+        device = norm_embeddings.device
+        num_rows = norm_embeddings.shape[0]
+        num_taking_part = self.num_local if row_index is None else row_index.numel()
+        key = {
+            "device": tuning.device_name(device),
+            **tuning.software_versions(),
+            "rows": num_rows,
+            "dim": self.embedding_size,
+            "classes": self.num_local,
+            "taking_part": num_taking_part,
+            "weight": str(self.weight.dtype).removeprefix("torch."),
+            "matmul": str(matmul_dtype).removeprefix("torch."),
+            "chunk_size": self.chunk_size,
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+        }
+        embeddings = norm_embeddings.detach().requires_grad_(True)
+        weight = self.weight.detach().requires_grad_(True)  # its own .grad; the same rows
+
+        def measure(path: str) -> float:
+            def step() -> None:
+                with torch.enable_grad():
+                    if path == "torch":
+                        keep = self.chunk_size is None
+                        outputs = _LocalClassStats.apply(
+                            embeddings, weight, row_index, target_row, scale,
+                            BLOCK_SIZE if keep else self.chunk_size, keep, matmul_dtype,
+                        )  # fmt: skip
+                    else:
+                        tiles = self._triton_tiles(embeddings, row_index, matmul_dtype, None)
+                        outputs = _TritonClassStats.apply(
+                            embeddings, weight, row_index, target_row, scale, matmul_dtype,
+                            None, tiles,
+                        )  # fmt: skip
+                    # d loss / d sum-exp and d loss / d target cos: ones, as good as any.
+                    torch.autograd.backward(outputs[1:], [torch.ones_like(o) for o in outputs[1:]])
+                embeddings.grad = weight.grad = None
+
+            return tuning.time_steps(step, device)
+
+        def agree(seconds: list[float]) -> list[float]:
+            if self.world_size == 1:
+                return seconds
+            slowest = torch.tensor(seconds, dtype=torch.float64, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
+            return slowest.tolist()
+
+        choice = tuning.choose_kernel(key, measure, self.tuning_cache, agree)
+        source = "measured" if choice.source == "measured" else f"from {choice.source}"
+        logger.info(
+            "head.kernel=auto: %s (N %d, D %d, %s classes taking part on this rank, %s "
+            "matmuls, %s, slowest rank; %s)",
+            choice.describe(), num_rows, self.embedding_size, f"{num_taking_part:,}",
+            key["matmul"], key["device"], source,
+        )  # fmt: skip
+        return choice
+
+    def _triton_tiles(
+        self,
+        norm_embeddings: Tensor,
+        row_index: Tensor | None,
+        matmul_dtype: torch.dtype,
+        fused: _FusedSGD | None,
+    ) -> Any:
+        """The kernels' TileConfig for this forward's shapes (timed on a GPU: tile_tuning)."""
+        tile_tuning = importlib.import_module("recognition.heads.kernels.tile_tuning")
+        shape = tile_tuning.TuneShape(
+            num_rows=norm_embeddings.shape[0],
+            dim=norm_embeddings.shape[1],
+            num_classes=self.num_local if row_index is None else row_index.numel(),
+            weight_dtype=self.weight.dtype,
+            matmul_dtype=matmul_dtype,
+            has_index=row_index is not None,
+            update=fused.kind if fused is not None else "none",
+        )
+        return tile_tuning.tiles_for(norm_embeddings.device, shape, self.tuning_cache)
 
     def _samples_classes(self) -> bool:
         """True when a forward now uses partial FC: sample_rate < 1, training, grad enabled."""
@@ -792,13 +947,20 @@ class ShardedMarginSoftmax(nn.Module):
         self.sampled_index = row_index
 
         # ---- local statistics over this rank's (taking-part) classes, float32.
-        if self._uses_triton(embeddings.device, compute_dtype):
+        def measure() -> tuning.KernelChoice:  # head.kernel=auto, first forward on CUDA
+            return self._measure_kernels(
+                norm_embeddings, row_index, target_row, scale, matmul_dtype
+            )
+
+        if self._uses_triton(embeddings.device, compute_dtype, measure):
             if matmul_dtype == torch.float64:
                 matmul_dtype = torch.float32
             fused = self._fused if torch.is_grad_enabled() and self.training else None
+            tiles = self._triton_tiles(norm_embeddings, row_index, matmul_dtype, fused)
             nontarget_max, nontarget_sumexp, target_cos = _TritonClassStats.apply(
-                norm_embeddings, self.weight, row_index, target_row, scale, matmul_dtype, fused
-            )
+                norm_embeddings, self.weight, row_index, target_row, scale, matmul_dtype, fused,
+                tiles,
+            )  # fmt: skip
         elif self._fused is not None and torch.is_grad_enabled() and self.training:
             raise RuntimeError(
                 "head.fused_update: this forward cannot use the Triton kernel (see the log), "

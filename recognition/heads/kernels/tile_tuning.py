@@ -1,0 +1,323 @@
+"""The Triton head kernels' tiles, chosen by timing among those that fit.
+
+`margin_softmax_triton.gpu_tiles` holds, per padded embedding size and operand kind, tiles
+that ptxas showed to fit an H100 (sm_90) without spilling registers (`python -m
+benchmarks.head_kernel_resources`): they bound what fits, not what is fastest. On a GPU each
+kernel (forward, embedding gradient, weight gradient) is timed here at the run's shapes
+with each of its candidates - the table's tiles and their neighbours (one more pipeline
+stage, half the class or row block, more warps, a wider step over D, ...) whose register
+footprint (`footprint`: the fp32 values per thread of the tiles a program keeps live) is no
+larger than the table's, so that they fit where it fits - and the fastest is kept: in
+memory for the process, and in the tuning cache (`heads/tuning.py`, file
+`head-tiles.json`) for later runs, with every candidate's time. A candidate that does not
+launch (more shared memory than the GPU offers: Triton raises OutOfResources) or fails
+otherwise is dropped; the table's tiles stay when no candidate runs.
+
+The timing runs on scratch tensors of the run's N, D, dtypes and variant (partial-FC row
+index, deterministic reduction, the fused update's momentum and Nesterov) with at most
+TUNE_CLASSES classes, enough programs to fill the GPU many times over, so that the weight
+and its optimizer state are never touched. The kernels are tuned one at a time, the other
+two at the table's tiles (a kernel's time does not depend on the others' tiles): at most
+3 x MAX_CANDIDATES compilations, once per device, shape and Triton version.
+
+Not tuned: on the CPU (the interpreter runs its own large tiles, and timing it means
+nothing), and problems under MIN_TUNED_WORK (N x classes x D), where a step takes
+microseconds whatever the tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from recognition.heads import tuning
+
+logger = logging.getLogger(__name__)
+
+KERNEL_NAMES = ("forward", "grad_embeddings", "grad_weight")
+MAX_CANDIDATES = 6  # per kernel, the table's tiles included
+TUNE_CLASSES = 1 << 17  # scratch classes (fewer when the run has fewer)
+MIN_TUNED_WORK = 1 << 30  # N x classes x D below which the table's tiles are used untimed
+UPDATES = ("none", "sgd", "momentum", "nesterov")
+SCALE = 64.0  # the logit scale s of the scratch problem
+
+# Tiles chosen in this process, by cache key (a kernel's), and whole TileConfigs by launch
+# (what a forward asks for, found without building the keys): no disk after the first.
+_TUNED: dict[str, object] = {}
+_CONFIGS: dict[tuple, object] = {}
+
+
+def _kernels() -> ModuleType:
+    return importlib.import_module("recognition.heads.kernels.margin_softmax_triton")
+
+
+@dataclass(frozen=True)
+class TuneShape:
+    """What the tiles are tuned for: N rows of the global batch, embedding size D, classes
+    taking part on this rank, the weight and matmul dtypes, whether a partial-FC row index
+    is used, and the update the weight-gradient kernel applies ("none": it writes the
+    gradient; "sgd", "momentum", "nesterov": the fused SGD step)."""
+
+    num_rows: int
+    dim: int
+    num_classes: int
+    weight_dtype: torch.dtype
+    matmul_dtype: torch.dtype
+    has_index: bool = False
+    update: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.update not in UPDATES:
+            raise ValueError(f"TuneShape.update: one of {UPDATES}, got {self.update!r}")
+
+
+def describe(tiles) -> str:
+    """'128x128x32 w8 s3': classes x rows x D step, warps, stages."""
+    return f"{tiles.block_c}x{tiles.block_n}x{tiles.block_d} w{tiles.num_warps} s{tiles.num_stages}"
+
+
+def footprint(kernel: str, d_pad: int, tiles) -> float:
+    """fp32 values per thread of the tiles one program of `kernel` keeps live: the logits
+    tile (rows x classes) and the operand tiles of its D loop in every kernel, plus the
+    backward's full-width accumulator and second operand - (rows, D) and (classes, D) for
+    the embedding gradient, (D, classes) and (D, rows) for the weight gradient. A proxy for
+    registers: tiles with no larger a footprint than tiles that fit, fit."""
+    c, n, step = tiles.block_c, tiles.block_n, min(tiles.block_d, d_pad)
+    values = n * c + (n + c) * step
+    if kernel == "grad_embeddings":
+        values += n * d_pad + c * d_pad
+    elif kernel == "grad_weight":
+        values += d_pad * c + d_pad * n
+    elif kernel != "forward":
+        raise ValueError(f"footprint: unknown kernel {kernel!r}")
+    return values / (32 * tiles.num_warps)
+
+
+def candidates(kernel: str, d_pad: int, table, limit: int | None = None) -> list:
+    """The table's tiles first, then the neighbours that fit (valid for the compiler, a D
+    step within D, a footprint no larger than the table's), fewest changes first, at most
+    `limit` (default MAX_CANDIDATES) in all."""
+    kernels = _kernels()
+    limit = MAX_CANDIDATES if limit is None else limit
+    bound = footprint(kernel, d_pad, table)
+    options = []
+    # Each axis: the table's value first, then the changes in the order they are tried.
+    for block_c in (table.block_c, table.block_c // 2, table.block_c * 2):
+        for block_n in (table.block_n, table.block_n // 2, table.block_n * 2):
+            for block_d in (table.block_d, table.block_d * 2):
+                for num_warps in (table.num_warps, table.num_warps * 2):
+                    for num_stages in (table.num_stages, table.num_stages + 1):
+                        values = (block_c, block_n, block_d, num_warps, num_stages)
+                        options.append(kernels.KernelTiles(*values))
+    order = sorted(range(len(options)), key=lambda i: (_changes(options[i], table), i))
+    chosen = []
+    for index in order:
+        tiles = options[index]
+        try:
+            tiles.check("candidate")
+        except ValueError:
+            continue
+        if tiles.block_d > max(d_pad, 16) or footprint(kernel, d_pad, tiles) > bound:
+            continue
+        if tiles not in chosen:
+            chosen.append(tiles)
+        if len(chosen) == limit:
+            break
+    return chosen
+
+
+def _changes(tiles, table) -> int:
+    return sum(getattr(tiles, f) != getattr(table, f) for f in asdict(table))
+
+
+def operand_kind(device: torch.device, matmul_dtype: torch.dtype) -> str:
+    """The matmul operands as the kernels take them: bf16, fp16, tf32 or fp32."""
+    if matmul_dtype != torch.float32:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(matmul_dtype, str(matmul_dtype))
+    return _kernels()._input_precision(matmul_dtype, device).replace("ieee", "fp32")
+
+
+def should_tune(device: torch.device, shape: TuneShape) -> bool:
+    """Tiles are timed on a CUDA device with compiled kernels, for problems large enough."""
+    work = shape.num_rows * shape.num_classes * shape.dim
+    return device.type == "cuda" and not _kernels().INTERPRET and work >= MIN_TUNED_WORK
+
+
+def tiles_for(
+    device: torch.device,
+    shape: TuneShape,
+    cache: tuning.TuningCache | None,
+    timer: Callable[[Callable[[], object]], float] | None = None,
+):
+    """The TileConfig for a launch of `shape` on `device`: the table's (`default_tiles`)
+    where nothing is tuned, else each kernel's tiles from this process's memory, the
+    `cache`, or a timing of its candidates (`timer(run)` -> seconds; default: the median of
+    a few runs after a warm-up that compiles)."""
+    kernels = _kernels()
+    table = kernels.default_tiles(device, shape.dim, shape.matmul_dtype)
+    if not should_tune(device, shape):
+        return table
+    launch = (device, shape, torch.are_deterministic_algorithms_enabled(), table)
+    if launch in _CONFIGS:
+        return _CONFIGS[launch]
+    timer = timer or (lambda run: tuning.time_steps(run, device, repeats=5))
+    chosen, problem = {}, None
+    for name in KERNEL_NAMES:
+        key = tile_key(name, device, shape)
+        text = tuning._key_text(key)
+        tiles = _TUNED.get(text)
+        if tiles is None:
+            tiles = _cached_tiles(cache, key)
+        if tiles is None:
+            # Outside the caller's autocast and autograd: the scratch problem is its own.
+            with torch.autocast(device.type, enabled=False), torch.no_grad():
+                problem = problem or ScratchProblem(device, shape)
+                tiles, timings = tune_kernel(name, problem, table, timer)
+            if cache is not None and any(t["ms"] is not None for t in timings):
+                cache.put("tiles", key, {"tiles": asdict(tiles), "timings": timings})
+            _log_tuned(name, shape, device, tiles, getattr(table, name), timings)
+        _TUNED[text] = tiles
+        chosen[name] = tiles
+    _CONFIGS[launch] = dataclasses.replace(table, **chosen)
+    return _CONFIGS[launch]
+
+
+def tile_key(kernel: str, device: torch.device, shape: TuneShape) -> dict:
+    """What one kernel's tiles are cached under: device, versions and the shapes (and the
+    variant) that kernel's time depends on."""
+    key = {
+        "kernel": kernel,
+        "device": tuning.device_name(device),
+        **tuning.software_versions(),
+        "rows": shape.num_rows,
+        "dim": shape.dim,
+        "classes": min(shape.num_classes, TUNE_CLASSES),
+        "weight": str(shape.weight_dtype).removeprefix("torch."),
+        "operands": operand_kind(device, shape.matmul_dtype),
+        "row_index": shape.has_index,
+    }
+    if kernel == "grad_embeddings":
+        key["deterministic"] = torch.are_deterministic_algorithms_enabled()
+    if kernel == "grad_weight":
+        key["update"] = shape.update
+    return key
+
+
+def _cached_tiles(cache: tuning.TuningCache | None, key: dict):
+    entry = cache.get("tiles", key) if cache is not None else None
+    if entry is None:
+        return None
+    try:
+        return _kernels().KernelTiles(**entry["tiles"])
+    except (KeyError, TypeError):
+        return None
+
+
+def tune_kernel(
+    name: str, problem: ScratchProblem, table, timer: Callable, options: list | None = None
+) -> tuple[object, list[dict]]:
+    """Time kernel `name` with each candidate (`options`, default `candidates`), the other
+    kernels at the table's tiles. Returns the fastest tiles (the table's when none ran) and
+    every candidate's {"tiles", "ms", "error"}."""
+    kernels = _kernels()
+    table_tiles = getattr(table, name)
+    if options is None:
+        options = candidates(name, kernels.padded_dim(problem.shape.dim), table_tiles)
+    timings, best, best_s = [], table_tiles, None
+    for tiles in options:
+        config = dataclasses.replace(table, **{name: tiles})
+        try:
+            seconds = float(timer(lambda config=config: problem.run(name, config)))
+            error = None
+        except Exception as exc:  # OutOfResources, a compiler error: the candidate is out
+            seconds, error = None, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+        ms = None if seconds is None else seconds * 1e3
+        timings.append({"tiles": asdict(tiles), "ms": ms, "error": error})
+        if seconds is not None and (best_s is None or seconds < best_s):
+            best, best_s = tiles, seconds
+    return best, timings
+
+
+def _log_tuned(name, shape, device, tiles, table_tiles, timings) -> None:
+    by_tiles = {tuple(t["tiles"].values()): t["ms"] for t in timings}
+    best_ms = by_tiles.get(tuple(asdict(tiles).values()))
+    table_ms = by_tiles.get(tuple(asdict(table_tiles).values()))
+    failed = sum(t["ms"] is None for t in timings)
+    logger.info(
+        "head tiles: %s at N %d, D %d, %s operands on %s: %s (%s ms; the table's %s: %s ms; "
+        "%d candidates timed, %d did not run)",
+        name, shape.num_rows, shape.dim, operand_kind(device, shape.matmul_dtype),
+        tuning.device_name(device), describe(tiles), _fmt_ms(best_ms), describe(table_tiles),
+        _fmt_ms(table_ms), len(timings), failed,
+    )  # fmt: skip
+
+
+def _fmt_ms(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.3f}"
+
+
+class ScratchProblem:
+    """Tensors of `shape` (at most TUNE_CLASSES classes) on `device` to time the kernels on:
+    random unit embeddings, N(0, 0.01) class rows, half the rows owning a target, and for
+    the fused update its own momentum buffer and the target rows' share."""
+
+    def __init__(self, device: torch.device, shape: TuneShape) -> None:
+        kernels = _kernels()
+        self.shape = shape
+        num_classes = min(shape.num_classes, TUNE_CLASSES)
+        num_weight_rows = 2 * num_classes if shape.has_index else num_classes
+        # The class rows drawn where they live (a GPU draws 10^8 numbers at once); the
+        # small tensors on the CPU.
+        on_device = torch.Generator(device=device).manual_seed(0)
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(num_weight_rows, shape.dim, generator=on_device, device=device)
+        self.weight = (weight * 0.01).to(shape.weight_dtype)
+        self.row_index = None
+        if shape.has_index:  # a sorted sample of half the rows, as partial FC takes them
+            sample = torch.randperm(num_weight_rows, generator=on_device, device=device)
+            self.row_index = sample[:num_classes].sort().values
+        embeddings = torch.randn(shape.num_rows, shape.dim, generator=generator)
+        self.embeddings = F.normalize(embeddings, dim=1).to(device)
+        target = torch.randint(0, num_classes, (shape.num_rows,), generator=generator)
+        target[shape.num_rows // 2 :] = -1  # rows whose label another rank owns
+        self.target_pos = target.to(device)
+        eps = max(1e-12, torch.finfo(shape.weight_dtype).tiny)
+        self.inv_norm = kernels.inverse_norms(self.weight, self.row_index, eps)
+        # The scale s bounds every logit: exp(logit - s) <= 1, nothing overflows.
+        self.row_max = torch.full((shape.num_rows,), SCALE, device=device)
+        self.grad_sumexp = torch.full((shape.num_rows,), 1.0 / shape.num_rows, device=device)
+        self.sgd, self.target_grad = None, None
+        if shape.update != "none":
+            momentum = 0.0 if shape.update == "sgd" else 0.9
+            buffer = None
+            if momentum:
+                buffer = torch.zeros(num_weight_rows, shape.dim, device=device)
+            nesterov = shape.update == "nesterov"
+            # lr 0: the kernel loads, updates and stores the rows as in training, but their
+            # values (and so the inverse norms above) stay put from one timed run to the next.
+            self.sgd = kernels.SGDUpdate(0.0, momentum, 5e-4, nesterov, buffer)
+            positions = torch.unique(target[target >= 0]).to(device)
+            rows = positions if self.row_index is None else self.row_index[positions]
+            self.target_grad = (rows, torch.zeros(rows.numel(), shape.dim, device=device))
+
+    def run(self, name: str, tiles) -> None:
+        """One launch of kernel `name` (the backward's: with the embedding gradient's first)
+        at `tiles`."""
+        kernels = _kernels()
+        common = (self.embeddings, self.weight, self.row_index, self.inv_norm, self.target_pos)
+        if name == "forward":
+            kernels.class_stats(*common, SCALE, self.shape.matmul_dtype, tiles)
+            return
+        kernels.class_stats_backward(
+            *common, self.row_max, self.grad_sumexp, SCALE, self.shape.matmul_dtype, tiles,
+            want_weight=name == "grad_weight",
+            target_grad=self.target_grad if name == "grad_weight" else None,
+            sgd=self.sgd if name == "grad_weight" else None,
+        )  # fmt: skip

@@ -1,0 +1,367 @@
+"""What the head decides by timing on a GPU (heads/tuning.py, heads/kernels/tile_tuning.py),
+with the timings stubbed: head.kernel=auto's choice and its log line, the cache (hit, miss
+on another device or shape, a corrupt or unwritable file), and the Triton tiles' candidates
+(what fits), their timing and its cache. The kernels run in Triton's interpreter on CPU
+tensors (conftest.py sets TRITON_INTERPRET=1), where nothing is timed for real."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+from test_head import assert_close_rel, make_batch, run_head
+
+from recognition.heads import ShardedMarginSoftmax, build_head, tuning
+from recognition.heads import margin_softmax as head_module
+from recognition.heads.margins import CosFace
+
+KEY = {"device": "NVIDIA H100 80GB HBM3", "rows": 1024, "dim": 512, "classes": 1_000_000}
+
+
+def fixed_times(torch_s: float, triton_s: float):
+    calls = []
+
+    def measure(path: str) -> float:
+        calls.append(path)
+        return {"torch": torch_s, "triton": triton_s}[path]
+
+    return measure, calls
+
+
+# ---- head.kernel=auto: the choice ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("torch_s", "triton_s", "expected"),
+    [(0.020, 0.010, "triton"), (0.010, 0.020, "torch"), (0.010, 0.010, "torch")],
+)
+def test_auto_takes_the_strictly_faster_path(torch_s, triton_s, expected):
+    measure, calls = fixed_times(torch_s, triton_s)
+    choice = tuning.choose_kernel(KEY, measure, cache=None)
+    assert choice.kernel == expected and calls == ["torch", "triton"]
+    assert choice.seconds == {"torch": torch_s, "triton": triton_s}
+    assert choice.source == "measured" and not choice.errors
+
+
+def test_a_failing_path_loses_and_says_why():
+    def measure(path):
+        if path == "torch":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB\nmore")
+        return 0.5
+
+    choice = tuning.choose_kernel(KEY, measure, cache=None)
+    assert choice.kernel == "triton" and math.isinf(choice.seconds["torch"])
+    assert choice.errors == {
+        "torch": "OutOfMemoryError: CUDA out of memory. Tried to allocate 40.00 GiB"
+    }
+    assert "the torch path failed: OutOfMemoryError" in choice.describe()
+
+    def nothing_runs(path):
+        raise RuntimeError(f"{path} broken")
+
+    assert tuning.choose_kernel(KEY, nothing_runs, cache=None).kernel == "torch"
+
+
+def test_every_rank_decides_from_the_slowest_rank():
+    # Here triton is faster, but another rank's triton step is the slowest of all.
+    measure, _ = fixed_times(0.010, 0.008)
+    other_rank = [0.011, 0.015]
+    choice = tuning.choose_kernel(
+        KEY,
+        measure,
+        cache=None,
+        agree=lambda s: [max(a, b) for a, b in zip(s, other_rank, strict=True)],
+    )
+    assert choice.kernel == "torch" and choice.seconds == {"torch": 0.011, "triton": 0.015}
+
+
+# ---- the cache ------------------------------------------------------------------------------
+
+
+def test_cache_hit_and_misses_on_another_device_or_shape(tmp_path):
+    cache = tuning.TuningCache(tmp_path / "cache")
+    measure, calls = fixed_times(0.020, 0.010)
+    assert tuning.choose_kernel(KEY, measure, cache).source == "measured"
+    stored = json.loads(cache.path("kernel").read_text())
+    assert stored["version"] == tuning.CACHE_VERSION
+    [entry] = stored["entries"].values()
+    assert entry["key"] == KEY and entry["seconds"] == {"torch": 0.020, "triton": 0.010}
+
+    # A new cache object (a new run) on the same folder: read, not measured.
+    again, calls_again = fixed_times(1.0, 2.0)
+    choice = tuning.choose_kernel(KEY, again, tuning.TuningCache(tmp_path / "cache"))
+    assert calls_again == [] and choice.kernel == "triton"
+    assert choice.source == str(cache.path("kernel"))
+
+    for changed in ({"device": "NVIDIA A100-SXM4-80GB"}, {"classes": 999_999}, {"rows": 512}):
+        measure, calls = fixed_times(0.010, 0.020)
+        choice = tuning.choose_kernel({**KEY, **changed}, measure, cache)
+        assert calls == ["torch", "triton"] and choice.kernel == "torch", changed
+    assert len(json.loads(cache.path("kernel").read_text())["entries"]) == 4
+
+
+def test_a_failed_measurement_is_not_cached(tmp_path):
+    cache = tuning.TuningCache(tmp_path)
+
+    def measure(path):
+        if path == "triton":
+            raise RuntimeError("OutOfResources")
+        return 0.01
+
+    tuning.choose_kernel(KEY, measure, cache)
+    assert not cache.path("kernel").exists()
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", '["a list"]', '{"version": 99, "entries": {}}', '{"version": 1, "entries": 3}'],
+)
+def test_a_corrupt_cache_file_is_ignored_with_a_warning_and_rewritten(tmp_path, caplog, content):
+    cache = tuning.TuningCache(tmp_path)
+    cache.path("kernel").write_text(content)
+    measure, calls = fixed_times(0.020, 0.010)
+    with caplog.at_level(logging.WARNING, logger=tuning.__name__):
+        choice = tuning.choose_kernel(KEY, measure, cache)
+    assert choice.kernel == "triton" and calls == ["torch", "triton"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and str(cache.path("kernel")) in warnings[0]
+    assert json.loads(cache.path("kernel").read_text())["version"] == tuning.CACHE_VERSION
+
+
+def test_an_unwritable_cache_folder_costs_a_warning_not_the_run(tmp_path, caplog):
+    (tmp_path / "a-file").write_text("")
+    folder = tmp_path / "a-file" / "cache"  # no folder can be made there, even by root
+    measure, _ = fixed_times(0.020, 0.010)
+    with caplog.at_level(logging.WARNING, logger=tuning.__name__):
+        choice = tuning.choose_kernel(KEY, measure, tuning.TuningCache(folder))
+    assert choice.kernel == "triton"
+    assert any("cannot write the tuning cache" in r.getMessage() for r in caplog.records)
+
+
+def test_the_cache_folder_defaults_to_xdg_and_is_a_config_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert tuning.TuningCache().folder == tmp_path / "xdg" / "recognition"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert tuning.default_cache_dir() == tmp_path.home() / ".cache" / "recognition"
+    from recognition.config import config_from_dict
+
+    cfg = config_from_dict({"head": {"tuning_cache": str(tmp_path / "mine")}})
+    head = build_head(cfg.head, 10, 8, seed=0)
+    assert head.tuning_cache.folder == tmp_path / "mine"
+
+
+# ---- the head with auto: measured, logged, cached -----------------------------------------
+
+
+class FakeTimer:
+    """Stands in for tuning.time_steps: runs each step once (so both paths really run, in
+    the interpreter) and answers the given seconds, torch's first then triton's."""
+
+    def __init__(self, torch_s: float, triton_s: float) -> None:
+        self.answers = [torch_s, triton_s]
+        self.calls = 0
+
+    def __call__(self, step, device, repeats=3, warmup=1):
+        step()
+        self.calls += 1
+        return self.answers[self.calls - 1]
+
+
+@pytest.mark.parametrize(("torch_s", "triton_s"), [(0.020, 0.010), (0.010, 0.020)])
+def test_auto_on_a_gpu_measures_once_logs_and_caches(
+    tmp_path, monkeypatch, caplog, torch_s, triton_s
+):
+    # The CPU stands in for a CUDA device: auto measures here as it would there.
+    monkeypatch.setattr(head_module, "_cannot_measure", lambda device, dtype: None)
+    timer = FakeTimer(torch_s, triton_s)
+    monkeypatch.setattr(tuning, "time_steps", timer)
+    applied = []
+    real_apply = head_module._TritonClassStats.apply
+    monkeypatch.setattr(
+        head_module._TritonClassStats, "apply", lambda *a: applied.append(1) or real_apply(*a)
+    )
+    torch.manual_seed(0)
+    head = ShardedMarginSoftmax(40, 24, CosFace(s=16.0), tuning_cache=tmp_path)
+    reference = ShardedMarginSoftmax(40, 24, CosFace(s=16.0), kernel="torch")
+    reference.load_state_dict(head.state_dict())
+    initial = head.weight.detach().clone()
+    embeddings, labels = make_batch(40, 24, 8, seed=1, dtype=torch.float32)
+    with caplog.at_level(logging.INFO, logger=head_module.__name__):
+        loss, grad_e, grad_w = run_head(head, embeddings, labels)
+        run_head(head, embeddings, labels)  # decided: not measured again
+    triton_wins = triton_s < torch_s
+    assert timer.calls == 2
+    # The measurement ran the triton path once; the two forwards add theirs when it won.
+    assert len(applied) == 1 + (2 if triton_wins else 0)
+    lines = [r.getMessage() for r in caplog.records if "head.kernel=auto" in r.getMessage()]
+    assert len(lines) == 1
+    assert lines[0].startswith(f"head.kernel=auto: {'triton' if triton_wins else 'torch'}, ")
+    assert "10.00 ms" in lines[0] and "20.00 ms" in lines[0] and "measured" in lines[0]
+    # Measuring neither moved the weight nor left a gradient behind: the step is the torch one's.
+    torch.testing.assert_close(head.weight.detach(), initial, rtol=0, atol=0)
+    ref_loss, ref_grad_e, ref_grad_w = run_head(reference, embeddings, labels)
+    assert_close_rel(loss, ref_loss.double(), 1e-6)
+    assert_close_rel(grad_e, ref_grad_e.double(), 1e-5)
+    assert_close_rel(grad_w, ref_grad_w.double(), 1e-5)
+
+    # A new run at the same shapes reads the times from the cache folder.
+    caplog.clear()
+    timer.calls = 0
+    fresh = ShardedMarginSoftmax(40, 24, CosFace(s=16.0), tuning_cache=tmp_path)
+    with caplog.at_level(logging.INFO, logger=head_module.__name__):
+        run_head(fresh, embeddings, labels)
+    assert timer.calls == 0
+    assert any(f"from {tmp_path / 'head-kernel.json'}" in r.getMessage() for r in caplog.records)
+
+
+def test_auto_does_not_measure_on_the_cpu(monkeypatch, caplog):
+    def never(*args, **kwargs):
+        raise AssertionError("measured on the CPU")
+
+    monkeypatch.setattr(tuning, "time_steps", never)
+    head = ShardedMarginSoftmax(20, 24, CosFace())
+    embeddings, labels = make_batch(20, 24, 4, seed=1, dtype=torch.float32)
+    with caplog.at_level(logging.INFO, logger=head_module.__name__):
+        head(embeddings, labels)
+    [line] = [r.getMessage() for r in caplog.records if "head.kernel=auto" in r.getMessage()]
+    assert line.startswith("head.kernel=auto: torch (the Triton kernels run compiled on CUDA")
+
+
+# ---- the Triton tiles ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiling(monkeypatch):
+    """tile_tuning with an empty in-process memory."""
+    tile_tuning = head_module.importlib.import_module("recognition.heads.kernels.tile_tuning")
+    monkeypatch.setattr(tile_tuning, "_TUNED", {})
+    monkeypatch.setattr(tile_tuning, "_CONFIGS", {})
+    return tile_tuning
+
+
+def per_thread(kernel, d_pad, c, n, d, warps):
+    """The footprint written out by hand: logits tile, the D loop's operands, and the
+    backward's accumulator and second operand, in fp32 values per thread."""
+    live = {
+        "forward": n * c + (n + c) * d,
+        "grad_embeddings": n * c + (n + c) * d + n * d_pad + c * d_pad,
+        "grad_weight": n * c + (n + c) * d + d_pad * c + d_pad * n,
+    }[kernel]
+    return live / (32 * warps)
+
+
+def test_candidates_fit_where_the_table_fits(tiling):
+    kernels = head_module._triton_kernels()
+    for d_pad in (128, 512, 1024):
+        for operands in kernels.OPERAND_KINDS:
+            table = kernels.gpu_tiles(d_pad, 132, operands)
+            for name in tiling.KERNEL_NAMES:
+                base = getattr(table, name)
+                options = tiling.candidates(name, d_pad, base)
+                assert options[0] == base and len(set(options)) == len(options)
+                assert 2 <= len(options) <= tiling.MAX_CANDIDATES, (name, d_pad, operands)
+                bound = per_thread(name, d_pad, base.block_c, base.block_n,
+                                   min(base.block_d, d_pad), base.num_warps)  # fmt: skip
+                for tiles in options:
+                    tiles.check("candidate")
+                    assert tiles.block_d <= d_pad
+                    value = per_thread(name, d_pad, tiles.block_c, tiles.block_n,
+                                       min(tiles.block_d, d_pad), tiles.num_warps)  # fmt: skip
+                    assert value <= bound and tiling.footprint(name, d_pad, tiles) == value
+    # What ptxas showed to spill at D = 512 (the kernel module's docstring) is never tried.
+    table = kernels.gpu_tiles(512, 132, "half")
+    for name in ("grad_embeddings", "grad_weight"):
+        spilling = kernels.KernelTiles(64, 64, 64, 8, 2)
+        assert spilling not in tiling.candidates(name, 512, getattr(table, name), limit=1000)
+
+
+def small_shape(tiling, **changes):
+    fields = {"num_rows": 16, "dim": 24, "num_classes": 40, "weight_dtype": torch.float32,
+              "matmul_dtype": torch.float32, "has_index": True, "update": "nesterov"}  # fmt: skip
+    return tiling.TuneShape(**{**fields, **changes})
+
+
+def test_tuning_keeps_the_fastest_candidate_that_runs(tiling):
+    kernels = head_module._triton_kernels()
+    small = kernels.KernelTiles(16, 16, 16, 1, 1)
+    wide = kernels.KernelTiles(32, 16, 32, 1, 1)
+    table = kernels.TileConfig(small, small, small, target_programs=4)
+    problem = tiling.ScratchProblem(torch.device("cpu"), small_shape(tiling))
+    initial = problem.weight.clone()
+    for name in tiling.KERNEL_NAMES:
+        answers = iter([2e-3, 1e-3, None])
+
+        def timer(run, answers=answers):
+            run()  # the launch itself, interpreted
+            seconds = next(answers)
+            if seconds is None:
+                raise RuntimeError("OutOfResources: out of resource: shared memory\nRequired: 1")
+            return seconds
+
+        failing = kernels.KernelTiles(16, 32, 16, 1, 1)
+        best, timings = tiling.tune_kernel(name, problem, table, timer, [small, wide, failing])
+        assert best == wide, name
+        assert [t["ms"] for t in timings] == [2.0, 1.0, None]
+        assert timings[2]["error"] == "RuntimeError: OutOfResources: out of resource: shared memory"
+    # The fused update ran on the scratch rows at lr 0: their momentum moved, they did not.
+    assert torch.equal(problem.weight, initial)
+    assert problem.sgd.momentum_buffer.abs().sum() > 0
+
+
+def test_tiles_are_timed_once_then_cached_per_shape(tiling, tmp_path, monkeypatch, caplog):
+    kernels = head_module._triton_kernels()
+    tiles = [kernels.KernelTiles(16, 16, 16, 1, 1), kernels.KernelTiles(32, 16, 16, 1, 1)]
+    table = kernels.TileConfig(tiles[0], tiles[0], tiles[0], target_programs=4)
+    monkeypatch.setattr(kernels, "default_tiles", lambda device, dim, dtype: table)
+    monkeypatch.setattr(tiling, "should_tune", lambda device, shape: True)
+    monkeypatch.setattr(tiling, "candidates", lambda name, d_pad, base: tiles)
+    times = []
+
+    def timer(run):  # the second candidate is faster; nothing runs
+        times.append(1)
+        return 1e-3 if len(times) % 2 == 0 else 2e-3
+
+    cpu, cache = torch.device("cpu"), tuning.TuningCache(tmp_path)
+    with caplog.at_level(logging.INFO, logger=tiling.__name__):
+        config = tiling.tiles_for(cpu, small_shape(tiling), cache, timer)
+    assert len(times) == 6 and config == kernels.TileConfig(tiles[1], tiles[1], tiles[1], 4)
+    assert sum("head tiles: " in r.getMessage() for r in caplog.records) == 3
+    entries = cache.entries("tiles")
+    assert sorted(e["key"]["kernel"] for e in entries) == sorted(tiling.KERNEL_NAMES)
+    assert all(e["tiles"] == tiles[1].__dict__ and len(e["timings"]) == 2 for e in entries)
+
+    tiling.tiles_for(cpu, small_shape(tiling), cache, timer)  # this process remembers
+    monkeypatch.setattr(tiling, "_TUNED", {})
+    monkeypatch.setattr(tiling, "_CONFIGS", {})
+    assert tiling.tiles_for(cpu, small_shape(tiling), tuning.TuningCache(tmp_path), timer) == config
+    assert len(times) == 6  # a new process reads the cache
+
+    # Another N: every kernel is timed again. Another update: only the weight gradient's.
+    tiling.tiles_for(cpu, small_shape(tiling, num_rows=32), cache, timer)
+    assert len(times) == 12
+    tiling.tiles_for(cpu, small_shape(tiling, update="none"), cache, timer)
+    assert len(times) == 14
+
+    cache.path("tiles").write_text("{truncated")
+    monkeypatch.setattr(tiling, "_TUNED", {})
+    monkeypatch.setattr(tiling, "_CONFIGS", {})
+    with caplog.at_level(logging.WARNING, logger=tuning.__name__):
+        tiling.tiles_for(cpu, small_shape(tiling), tuning.TuningCache(tmp_path), timer)
+    assert len(times) == 20
+    assert any("ignoring the tuning cache" in r.getMessage() for r in caplog.records)
+
+
+def test_nothing_is_tuned_on_the_cpu_or_for_small_problems(tiling):
+    kernels = head_module._triton_kernels()
+
+    def timer(run):
+        raise AssertionError("timed")
+
+    cpu = torch.device("cpu")
+    assert tiling.tiles_for(cpu, small_shape(tiling), None, timer) == kernels.INTERPRETER_TILES
+    big = small_shape(tiling, num_rows=1024, dim=512, num_classes=1_000_000)
+    assert not tiling.should_tune(cpu, big)
+    assert tiling.MIN_TUNED_WORK > 128 * 1000 * 128  # the default run's head: never tuned
