@@ -55,6 +55,7 @@ from recognition.models import backbone_from_config  # noqa: E402
 from recognition.optim import build_optimizer, param_groups  # noqa: E402
 from recognition.precision import Precision  # noqa: E402
 from recognition.training import train_step  # noqa: E402
+from recognition.training.build import compile_model  # noqa: E402
 
 
 def synchronize(device: torch.device) -> None:
@@ -85,11 +86,17 @@ def matmul_dtype(cfg: ExperimentConfig, device: torch.device) -> torch.dtype:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.precision.dtype]
 
 
+def memory_format(device: torch.device) -> torch.memory_format:
+    """Channels-last on a GPU; NCHW on a CPU, where oneDNN gets the narrow backbones' strided
+    1x1 weight gradients wrong in channels-last (recognition.models.cpu_layout)."""
+    return torch.channels_last if device.type == "cuda" else torch.contiguous_format
+
+
 def model_parts(cfg: ExperimentConfig, device: torch.device, num_classes: int):
     """Backbone (maybe compiled), head, optimizer and Precision as `training.build` makes them
     on one process."""
     backbone = backbone_from_config(cfg.model, cfg.data.image_hw)
-    backbone = backbone.to(device, memory_format=torch.channels_last)
+    backbone = backbone.to(device, memory_format=memory_format(device))
     head = build_head(cfg.head, num_classes, cfg.model.embedding_size, seed=0, device=device)
     precision = Precision(cfg.precision.level, cfg.precision.dtype, device)
     precision.prepare(backbone, head)
@@ -99,7 +106,7 @@ def model_parts(cfg: ExperimentConfig, device: torch.device, num_classes: int):
     head.attach_optimizer(optimizer, precision.optimizer_param(head.weight))
     model = backbone
     if cfg.train.compile:
-        model = torch.compile(backbone, mode=cfg.train.compile_mode)
+        model = compile_model(backbone, cfg, device)
     return backbone, model, head, optimizer, precision
 
 
@@ -125,7 +132,7 @@ def measure_model(
     height, width = cfg.data.image_hw
     batch_size = cfg.train.batch_size
     images = torch.randn(batch_size, 3, height, width, device=device).to(
-        memory_format=torch.channels_last
+        memory_format=memory_format(device)
     )
     labels = torch.randint(0, num_classes, (batch_size,), device=device)
     if device.type == "cuda":

@@ -300,14 +300,19 @@ def _wrap_model(cfg: ExperimentConfig, dist_info: DistInfo, backbone: nn.Module)
     if cfg.train.compile:
         # Compiled over the DDP wrapper, so that DDP's optimizer splits the graph at its
         # gradient buckets and all-reduces overlap the backward pass.
-        backend, mode = cfg.train.compile_backend, cfg.train.compile_mode
-        if backend == "inductor" and dist_info.device.type == "cpu":
-            # No layout optimisation on a CPU: it would make the convolutions channels-last
-            # and reach oneDNN's broken weight gradient (recognition.models.cpu_layout).
-            model = torch.compile(model, backend=backend, options=cpu_compile_options(mode))
-        else:
-            model = torch.compile(model, mode=mode, backend=backend)
+        model = compile_model(model, cfg, dist_info.device)
     return model
+
+
+def compile_model(model: nn.Module, cfg: ExperimentConfig, device: torch.device) -> nn.Module:
+    """`model` under torch.compile with train.compile_mode and train.compile_backend, for
+    training on `device`."""
+    backend, mode = cfg.train.compile_backend, cfg.train.compile_mode
+    if backend == "inductor" and device.type == "cpu":
+        # No layout optimisation on a CPU: it would make the convolutions channels-last and
+        # reach oneDNN's broken weight gradient (recognition.models.cpu_layout).
+        return torch.compile(model, backend=backend, options=cpu_compile_options(mode))
+    return torch.compile(model, mode=mode, backend=backend)
 
 
 def _check_backbone(cfg: ExperimentConfig, dist_info: DistInfo) -> None:
