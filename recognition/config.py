@@ -27,7 +27,7 @@ from recognition.data.synthetic import SyntheticSpec
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-MARGIN_NAMES = ("arcface", "cosface", "sphereface", "am_softmax", "combined")
+MARGIN_NAMES = ("arcface", "cosface", "sphereface", "am_softmax", "combined", "adaface")
 
 
 class ConfigError(ValueError):
@@ -173,15 +173,22 @@ class ModelConfig:
 @dataclass
 class HeadConfig:
     margin: str = "arcface"
-    """arcface, cosface, sphereface, am_softmax or combined."""
+    """arcface, cosface, sphereface, am_softmax, combined or adaface."""
     scale: float | None = None
     """Logit scale s; None takes the margin's default."""
     m: float | None = None
-    """The margin of arcface / cosface / sphereface / am_softmax; None takes the default."""
+    """The margin of arcface / cosface / sphereface / am_softmax / adaface; None takes the
+    default."""
     m1: float | None = None
     m2: float | None = None
     m3: float | None = None
     """Combined margin s*(cos(m1*theta + m2) - m3); only with margin=combined."""
+    h: float | None = None
+    """AdaFace: how far a norm must lie from the running mean, in running stds (1/h), for the
+    full margin; >= 0, None takes 0.333. Only with margin=adaface."""
+    t_alpha: float | None = None
+    """AdaFace: weight of each batch in the running norm statistics, in [0, 1]; None takes
+    0.01. Only with margin=adaface."""
     sample_rate: float = 1.0
     """Fraction of the negative classes each rank samples per step (Partial FC)."""
     chunk_size: int | None = None
@@ -206,12 +213,26 @@ class HeadConfig:
             for name in ("m1", "m2", "m3"):
                 if getattr(self, name) is not None:
                     raise ConfigError(f"head.{name}: only used with head.margin=combined")
+        if self.margin == "adaface":
+            self._check_adaface()
+        else:
+            for name in ("h", "t_alpha"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"head.{name}: only used with head.margin=adaface")
         if self.scale is not None and self.scale <= 0:
             raise ConfigError("head.scale: must be positive")
         if not 0.0 < self.sample_rate <= 1.0:
             raise ConfigError(f"head.sample_rate: {self.sample_rate} is outside (0, 1]")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ConfigError("head.chunk_size: must be at least 1 (or null)")
+
+    def _check_adaface(self) -> None:
+        if self.m is not None and not 0.0 <= self.m < math.pi / 2:
+            raise ConfigError(f"head.m: AdaFace's margin must lie in [0, pi/2), got {self.m}")
+        if self.h is not None and self.h < 0:
+            raise ConfigError(f"head.h: must be >= 0, got {self.h}")
+        if self.t_alpha is not None and not 0.0 <= self.t_alpha <= 1.0:
+            raise ConfigError(f"head.t_alpha: must lie in [0, 1], got {self.t_alpha}")
 
 
 @dataclass
