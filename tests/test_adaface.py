@@ -96,9 +96,11 @@ def check_steps_match_reference(check, rank, world_size, head, dtype, rel, name)
             columns = (head.class_start + head.sampled_index)[:, None]
             columns = hd.gather_rows(columns, world_size)[:, 0]
             check.true(f"{name}: some classes left out", columns.numel() < hd.NUM_CLASSES)
-        norms = embeddings.double().norm(dim=1)
+        psi = functools.partial(
+            reference_psi, norms=embeddings.double().norm(dim=1), mean=mean, std=std
+        )
         ref_loss, ref_grad_e, ref_grad_w, _ = hd.reference(
-            embeddings, weight, labels, SCALE, lambda t: reference_psi(t, norms, mean, std), columns
+            embeddings, weight, labels, SCALE, psi, columns
         )
         where = f"{name} step {step}"
         check.close(f"{where}: loss", loss, ref_loss, rel)

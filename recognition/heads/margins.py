@@ -251,8 +251,9 @@ class AdaFace(Margin):
 
     Followed: the formula and every constant of the authors' `AdaFace` head (head.py of
     github.com/mk-minchul/AdaFace: eps, the norm clip, the initial 20 / 100, the unbiased
-    std, the update before use, the theta clip) and their defaults m = 0.4, h = 0.333, s = 64,
-    t_alpha = 0.01 (their training scripts' value; the class's own default is 1.0).
+    std, the update before use, the theta clip) and their published settings: m = 0.4 and
+    h = 0.333 (the training scripts), s = 64 and t_alpha = 0.01 (config.py's defaults; the
+    head class's own t_alpha default, 1.0, is not what they train with).
     Deliberate differences:
     - No acos (this module's numerical rules): cos(theta + g) comes from the angle-sum rule,
       and the clip of theta + g to [eps, pi - eps] from comparing the cosine with
