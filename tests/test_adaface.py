@@ -139,7 +139,7 @@ def check_statistics_reshard(check, rank, world_size, save_dir, load_dir):
         stats = [head.margin.running_mean.item(), head.margin.running_std.item()]
         check.true(f"W={world_size} statistics loaded: {stats}", stats == [1.5, 2.5])
         rows = torch.arange(head.class_start, head.class_start + head.num_local)
-        expected = rows[:, None].double().expand(-1, hd.EMBEDDING_SIZE).float()
+        expected = rows[:, None].float().expand(-1, hd.EMBEDDING_SIZE)
         check.true(f"W={world_size} rows loaded", torch.equal(head.weight.detach(), expected))
     else:
         with torch.no_grad():
