@@ -15,6 +15,8 @@ training run's parts (recognition.training) give these entries:
 | `backbone/<name>`             | the backbone's state_dict (replicated)        | rank 0     |
 | `head/weight`                 | the class matrix (num_classes, D)             | every rank |
 | `head/_extra_state`           | the partial FC sampling step                  | rank 0     |
+| `head/margin.running_mean`,   | AdaFace only: its running norm statistics     | rank 0 (*) |
+| `head/margin.running_std`     | (float64 scalars, the same on every rank)     |            |
 | `precision/masters/<key>`     | O2 fp32 masters (the head's: rows)            | 0; rows: all |
 | `precision/scaler`, `level`.. | the fp16 loss scaler's state, level, dtype    | rank 0     |
 | `optimizer/state/<i>/<name>`  | momentum, Adam moments (the head's: rows)     | 0; rows: all |
@@ -22,6 +24,9 @@ training run's parts (recognition.training) give these entries:
 | `scheduler`, `progress`       | LR schedule; step, epoch, position in epoch   | rank 0     |
 | `meta`                        | the config, the number and hash of classes    | rank 0     |
 | `rng/<rank>/...`              | each rank's random streams                    | each rank  |
+
+(*) Replicated entries are written by the lowest rank that holds them: with a pipelined
+backbone the head's are the first rank of the last stage's.
 
 Versions: 1 (no `format` entry) kept the partial FC step in `progress`; it loads (see
 recognition.training.state), and a version newer than this code's is refused by name.

@@ -27,7 +27,7 @@ from recognition.data.synthetic import SyntheticSpec
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-MARGIN_NAMES = ("arcface", "cosface", "sphereface", "am_softmax", "combined")
+MARGIN_NAMES = ("arcface", "cosface", "sphereface", "am_softmax", "combined", "adaface")
 
 
 class ConfigError(ValueError):
@@ -173,15 +173,22 @@ class ModelConfig:
 @dataclass
 class HeadConfig:
     margin: str = "arcface"
-    """arcface, cosface, sphereface, am_softmax or combined."""
+    """arcface, cosface, sphereface, am_softmax, combined or adaface."""
     scale: float | None = None
     """Logit scale s; None takes the margin's default."""
     m: float | None = None
-    """The margin of arcface / cosface / sphereface / am_softmax; None takes the default."""
+    """The margin of arcface / cosface / sphereface / am_softmax / adaface; None takes the
+    default."""
     m1: float | None = None
     m2: float | None = None
     m3: float | None = None
     """Combined margin s*(cos(m1*theta + m2) - m3); only with margin=combined."""
+    h: float | None = None
+    """AdaFace: how far a norm must lie from the running mean, in running stds (1/h), for the
+    full margin; >= 0, None takes 0.333. Only with margin=adaface."""
+    t_alpha: float | None = None
+    """AdaFace: weight of each batch in the running norm statistics, in [0, 1]; None takes
+    0.01. Only with margin=adaface."""
     sample_rate: float = 1.0
     """Fraction of the negative classes each rank samples per step (Partial FC)."""
     chunk_size: int | None = None
@@ -210,12 +217,26 @@ class HeadConfig:
             for name in ("m1", "m2", "m3"):
                 if getattr(self, name) is not None:
                     raise ConfigError(f"head.{name}: only used with head.margin=combined")
+        if self.margin == "adaface":
+            self._check_adaface()
+        else:
+            for name in ("h", "t_alpha"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"head.{name}: only used with head.margin=adaface")
         if self.scale is not None and self.scale <= 0:
             raise ConfigError("head.scale: must be positive")
         if not 0.0 < self.sample_rate <= 1.0:
             raise ConfigError(f"head.sample_rate: {self.sample_rate} is outside (0, 1]")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ConfigError("head.chunk_size: must be at least 1 (or null)")
+
+    def _check_adaface(self) -> None:
+        if self.m is not None and not 0.0 <= self.m < math.pi / 2:
+            raise ConfigError(f"head.m: AdaFace's margin must lie in [0, pi/2), got {self.m}")
+        if self.h is not None and self.h < 0:
+            raise ConfigError(f"head.h: must be >= 0, got {self.h}")
+        if self.t_alpha is not None and not 0.0 <= self.t_alpha <= 1.0:
+            raise ConfigError(f"head.t_alpha: must lie in [0, 1], got {self.t_alpha}")
 
 
 @dataclass
@@ -228,9 +249,18 @@ class OptimConfig:
     """Not applied to BatchNorm / PReLU weights and biases (parameters with ndim <= 1)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_epochs: float = 0.0
-    schedule: Literal["poly", "cosine", "constant"] = "poly"
+    schedule: Literal["poly", "cosine", "constant", "step"] = "poly"
+    """After warmup: poly or cosine decay to min_lr at the end, constant, or step (the lr
+    multiplied by `gamma` at each of `milestones`)."""
     poly_power: float = 2.0
     min_lr: float = 0.0
+    """The lr that poly and cosine end at."""
+    milestones: list[float] = field(default_factory=list)
+    """schedule=step: epochs (increasing, before train.epochs) from which the lr is multiplied
+    by `gamma` once more, e.g. [12, 20, 24]; the steps are counted as epoch x steps per epoch,
+    rounded."""
+    gamma: float = 0.1
+    """schedule=step: the factor applied at each milestone, in (0, 1]."""
     grad_clip: float | None = 5.0
     """Max global gradient norm; null disables clipping."""
 
@@ -247,6 +277,18 @@ class OptimConfig:
             raise ConfigError("optim.min_lr: must lie in [0, optim.lr]")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError("optim.grad_clip: must be positive (or null to disable)")
+        if self.milestones and self.schedule != "step":
+            raise ConfigError(
+                f"optim.milestones: only used with optim.schedule=step (it is {self.schedule})"
+            )
+        if any(e <= 0 for e in self.milestones) or any(
+            b <= a for a, b in zip(self.milestones, self.milestones[1:], strict=False)
+        ):
+            raise ConfigError(
+                f"optim.milestones: must be positive and increasing epochs, got {self.milestones}"
+            )
+        if not 0.0 < self.gamma <= 1.0:
+            raise ConfigError(f"optim.gamma: must lie in (0, 1], got {self.gamma}")
 
 
 @dataclass
@@ -526,6 +568,12 @@ class ExperimentConfig:
             check_fused_update(self)
         if self.model.pipeline_stages > 1:
             check_pipeline(self)
+        late = [e for e in self.optim.milestones if e >= self.train.epochs]
+        if late:
+            raise ConfigError(
+                f"optim.milestones: epoch {late[0]:g} is not before train.epochs="
+                f"{self.train.epochs}, so it would never apply"
+            )
         if self.data.decode == "gpu" and self.train.device == "cpu":
             raise ConfigError(
                 "data.decode: gpu decodes on a CUDA device, but train.device=cpu trains on the "

@@ -1,9 +1,10 @@
-"""Optimizer parameter groups and the learning-rate schedule."""
+"""Optimizer parameter groups and the learning-rate schedule (warmup, then poly, cosine,
+constant or step)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -195,12 +196,23 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
                 value.zero_()
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int, cfg: OptimConfig) -> float:
+def lr_factor(
+    step: int,
+    total_steps: int,
+    warmup_steps: int,
+    cfg: OptimConfig,
+    milestone_steps: Sequence[int] = (),
+) -> float:
     """Multiplier of the peak lr after `step` optimizer steps.
 
     Linear warmup from ~0 to the peak over `warmup_steps`, then poly / cosine decay from
-    the peak to `min_lr` at `total_steps` (or constant).
+    the peak to `min_lr` at `total_steps`, constant, or step: gamma to the power of the
+    number of `milestone_steps` reached (a warmup step gets both factors).
     """
+    if cfg.schedule == "step":
+        passed = sum(1 for milestone in milestone_steps if step >= milestone)
+        warm = (step + 1) / warmup_steps if warmup_steps > 0 and step < warmup_steps else 1.0
+        return warm * cfg.gamma**passed
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
     if cfg.schedule == "constant":
@@ -218,9 +230,23 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, cfg: OptimConfig) 
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, cfg: OptimConfig
+    optimizer: torch.optim.Optimizer,
+    total_steps: int,
+    warmup_steps: int,
+    cfg: OptimConfig,
+    steps_per_epoch: int | None = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR stepped once per optimizer step (not per micro-batch, not per epoch)."""
+    """A LambdaLR stepped once per optimizer step (not per micro-batch, not per epoch).
+
+    `steps_per_epoch` turns schedule=step's milestones (epochs) into steps; it is needed
+    for that schedule only.
+    """
+    milestone_steps: list[int] = []
+    if cfg.schedule == "step" and cfg.milestones:
+        if steps_per_epoch is None:
+            raise ValueError("optim.schedule=step: build_scheduler needs steps_per_epoch")
+        milestone_steps = [round(epoch * steps_per_epoch) for epoch in cfg.milestones]
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps, warmup_steps, cfg)
+        optimizer,
+        lambda step: lr_factor(step, total_steps, warmup_steps, cfg, milestone_steps),
     )

@@ -15,6 +15,9 @@ Choices made here and why:
   most in half; `batch_norm` accepts a half input with fp32 weights on CPU and CUDA and returns
   the input's dtype, so no cast is needed around it. PReLU goes half like every other layer:
   autocast runs `prelu` in half anyway, and its fp32 master keeps the precise slope.
+- A module may name buffers that keep their dtype at every level in a `keep_dtype_buffers`
+  attribute (a tuple of names): running statistics moved by small steps, which half
+  precision would round away (AdaFace's running norm statistics, heads/margins.py).
 - O2 also turns autocast on. With half weights it changes nothing for convs and matmuls, but
   it makes mixed-dtype ops legal (an fp32 tensor the code creates meeting a half activation in
   a matmul) and runs the ops autocast lists as fp32 (softmax, log-softmax, losses, norms) in
@@ -485,14 +488,16 @@ def _cast_floating(module: nn.Module, dtype: torch.dtype, keep_batchnorm: bool) 
     """Cast the floating parameters and buffers of `module` to `dtype`, in place.
 
     `param.data` is replaced rather than the Parameter, so references held elsewhere (tied
-    weights, hooks) stay valid. With `keep_batchnorm`, BatchNorm layers keep fp32.
+    weights, hooks) stay valid. With `keep_batchnorm`, BatchNorm layers keep fp32. Buffers a
+    module names in `keep_dtype_buffers` keep their dtype.
     """
     for submodule in module.modules():
         if keep_batchnorm and isinstance(submodule, _BatchNorm):
             continue
-        tensors: Iterable[Tensor] = list(submodule.parameters(recurse=False)) + list(
-            submodule.buffers(recurse=False)
-        )
+        kept = set(getattr(submodule, "keep_dtype_buffers", ()))
+        tensors: Iterable[Tensor] = list(submodule.parameters(recurse=False)) + [
+            buffer for name, buffer in submodule.named_buffers(recurse=False) if name not in kept
+        ]
         for tensor in tensors:
             if tensor.is_floating_point():
                 tensor.data = tensor.data.to(dtype)

@@ -243,7 +243,13 @@ CASES = {
         "train.batch_size=4",
         "train.accumulate_steps=2",
     ),
-    "O2-bf16-clip-sgd": ("precision.level=O2", "precision.dtype=bf16", "optim.grad_clip=1"),
+    # AdaFace's running statistics move on the device too.
+    "O2-bf16-clip-sgd-adaface": (
+        "precision.level=O2",
+        "precision.dtype=bf16",
+        "optim.grad_clip=1",
+        "head.margin=adaface",
+    ),
     "O3-bf16-adamw": ("precision.level=O3", "precision.dtype=bf16", "optim.name=adamw"),
     "O1-fp16-scaler": ("precision.level=O1", "precision.dtype=fp16"),
 }

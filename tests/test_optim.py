@@ -64,6 +64,52 @@ def test_schedule_stepped_per_optimizer_step(schedule):
     assert lr_factor(total, total, warmup, cfg) == pytest.approx(0.01 / 0.4)
 
 
+def test_step_schedule_is_multisteplr_stepped_per_epoch():
+    """schedule=step against torch's MultiStepLR stepped once per epoch (AdaFace's recipe),
+    read at every optimizer step; milestones of fractional epochs round to steps."""
+    steps_per_epoch, epochs = 7, 6
+    cfg = OptimConfig(lr=0.1, schedule="step", milestones=[2, 4, 5], gamma=0.1)
+    param = nn.Parameter(torch.zeros(2))
+    opt = build_optimizer([{"params": [param], "weight_decay": 0.0}], cfg)
+    sched = build_scheduler(opt, epochs * steps_per_epoch, 0, cfg, steps_per_epoch)
+    ref_opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    ref = torch.optim.lr_scheduler.MultiStepLR(ref_opt, milestones=[2, 4, 5], gamma=0.1)
+    seen, expected = [], []
+    for _ in range(epochs):
+        for _ in range(steps_per_epoch):
+            seen.append(opt.param_groups[0]["lr"])
+            expected.append(ref_opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        ref_opt.step()
+        ref.step()
+    assert seen == pytest.approx(expected, rel=1e-12)
+    assert len(set(seen)) == 4
+    # Warmup multiplies in; a milestone of 1.5 epochs is step round(10.5) = 10.
+    warm = OptimConfig(lr=0.1, schedule="step", milestones=[1.5], gamma=0.5)
+    assert [lr_factor(s, 42, 4, warm, [10]) for s in (0, 3, 9, 10)] == [0.25, 1.0, 1.0, 0.5]
+    with pytest.raises(ValueError, match="steps_per_epoch"):
+        build_scheduler(opt, 42, 0, cfg)
+
+
+@pytest.mark.parametrize(
+    ("optim", "train", "key"),
+    [
+        ({"milestones": [12]}, {}, "optim.milestones"),  # not a step schedule
+        ({"schedule": "step", "milestones": [12, 12]}, {}, "optim.milestones"),
+        ({"schedule": "step", "milestones": [0, 3]}, {}, "optim.milestones"),
+        ({"schedule": "step", "milestones": [12, 30]}, {"epochs": 26}, "optim.milestones"),
+        ({"schedule": "step", "gamma": 0.0}, {}, "optim.gamma"),
+        ({"schedule": "step", "gamma": 1.5}, {}, "optim.gamma"),
+    ],
+)
+def test_step_schedule_config_errors_name_the_key(optim, train, key):
+    from recognition.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config_from_dict({"optim": optim, "train": train})
+
+
 def test_adamw_built_with_betas():
     cfg = OptimConfig(name="adamw", lr=1e-3, betas=[0.8, 0.9])
     opt = build_optimizer([{"params": [nn.Parameter(torch.zeros(1))], "weight_decay": 0.05}], cfg)

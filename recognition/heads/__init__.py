@@ -21,7 +21,16 @@ def build_head(
 ) -> ShardedMarginSoftmax:
     """This rank's shard of the margin-softmax head as `head.*` says, made on `device`, its
     classes split over the ranks of `group` (all of them when None)."""
-    margin = build_margin(cfg.margin, scale=cfg.scale, m=cfg.m, m1=cfg.m1, m2=cfg.m2, m3=cfg.m3)
+    margin = build_margin(
+        cfg.margin,
+        scale=cfg.scale,
+        m=cfg.m,
+        m1=cfg.m1,
+        m2=cfg.m2,
+        m3=cfg.m3,
+        h=cfg.h,
+        t_alpha=cfg.t_alpha,
+    )
     return ShardedMarginSoftmax(
         num_classes,
         embedding_size,

@@ -5,6 +5,7 @@ One training step on each of the W ranks of the head's process group:
     local embeddings (B, D)   --all-gather (autograd)-->   embeddings (N = B*W, D), labels (N,)
     normalise the embeddings (float32)
     target cosine, then s*psi(cos), only for the rows whose label lies in this rank's shard
+    (AdaFace: psi of each row's cosine and embedding norm, see margins.py)
     cosine logits s*cos (C_local, N) of the other classes, a block of classes at a time: the
     raw class rows times the embeddings, each row scaled by s/|row| (no normalised copy)
     local row statistics: max and sum of exp(logit - max) over all of them, float32
@@ -611,7 +612,10 @@ class ShardedMarginSoftmax(nn.Module):
     num_local), initialised N(0, 0.01). The weight and so its optimizer state exist on the
     owning rank only. Embeddings and class rows are L2-normalised inside, so logits are s*cos.
 
-    `margin` supplies psi and s (see margins.py); it must act element-wise. `chunk_size`
+    `margin` supplies psi and s (see margins.py); it must act element-wise on the target
+    cosines, or (`margin.uses_norms`, AdaFace) row by row on the cosine and the norm of the
+    row's raw embedding, which the head then passes: the norms of the gathered global batch,
+    so that statistics the margin keeps of them are the same on every rank. `chunk_size`
     computes the logits that many classes at a time and recomputes them in backward (memory
     O(global batch x chunk_size) instead of O(global batch x num_local)); None computes the
     whole shard at once. `sample_rate` < 1 turns on partial FC, with `seed` fixing the
@@ -667,7 +671,8 @@ class ShardedMarginSoftmax(nn.Module):
             )
         self.num_classes = num_classes
         self.embedding_size = embedding_size
-        self.margin = margin
+        # A margin with state (AdaFace's running statistics) keeps it beside the weight.
+        self.margin = margin if device is None else margin.to(device)
         self.sample_rate = sample_rate
         self.chunk_size = chunk_size
         self.group = group
@@ -972,7 +977,14 @@ class ShardedMarginSoftmax(nn.Module):
                 norm_embeddings, self.weight, row_index, target_row, scale,
                 BLOCK_SIZE if keep_logits else self.chunk_size, keep_logits, matmul_dtype,
             )  # fmt: skip
-        target_logit = torch.where(owned, scale * self.margin(target_cos), 0.0)
+        if self.margin.uses_norms:
+            # AdaFace: each row's margin follows its raw embedding's norm, taken over the
+            # gathered global batch (so its statistics are the same on every rank), detached.
+            norms = torch.linalg.vector_norm(embeddings.detach(), dim=1)  # (N,), compute dtype
+            margin_logit = self.margin(target_cos, norms)
+        else:
+            margin_logit = self.margin(target_cos)
+        target_logit = torch.where(owned, scale * margin_logit, 0.0)
         # Fold the target column back in: max over both, sum-exp rescaled to that max. The
         # max is a constant for autograd: log(sum exp(z - c)) + c does not depend on c.
         local_max = torch.maximum(

@@ -8,6 +8,12 @@ the head then multiplies every logit, penalised or not, by the margin's `scale` 
     AMSoftmax    cos(theta) - m                                 the same, other defaults
     SphereFace   (-1)^k cos(m theta) - 2k, k = floor(m theta/pi) multiplicative angular
     Combined     cos(m1 theta + m2) - m3                        all three at once
+    AdaFace      cos(theta + g_angle) - g_add, g from the norm  per row, adaptive
+
+All but AdaFace act element-wise on the cosine. AdaFace's margin also depends on each row's
+embedding norm (`uses_norms`): the head passes the norms of the raw embeddings beside the
+cosines, and the margin keeps running statistics of them (buffers, checkpointed with the
+head).
 
 Two numerical rules hold for all of them:
 
@@ -35,7 +41,13 @@ class Margin(nn.Module):
     `scale` is the s that the head multiplies every logit by. `forward` takes a tensor of
     any shape holding cosines in [-1, 1] (slightly outside is tolerated) and returns the
     same shape in float32, or float64 when the input is float64.
+
+    `uses_norms`: False for the element-wise margins. True (AdaFace) means `forward` takes a
+    second argument, `norms`, the L2 norms of the rows' raw embeddings (the shape of the
+    cosines, detached), and the head passes them.
     """
+
+    uses_norms = False
 
     def __init__(self, scale: float) -> None:
         super().__init__()
@@ -204,12 +216,133 @@ class CombinedMargin(Margin):
         return f"s={self.scale}, m1={self.m1}, m2={self.m2}, m3={self.m3}"
 
 
+# AdaFace's constants, as the authors' code has them (github.com/mk-minchul/AdaFace, head.py).
+ADAFACE_EPS = 1e-3  # added to the running std; the angle theta + g is clipped to [eps, pi - eps]
+ADAFACE_NORM_CLIP = (1e-3, 100.0)  # norms are clipped to this range before any statistic
+ADAFACE_INITIAL_MEAN = 20.0  # the running statistics before the first training forward
+ADAFACE_INITIAL_STD = 100.0
+
+
+class AdaFace(Margin):
+    """Quality-adaptive margin (Kim et al., "AdaFace: Quality Adaptive Margin for Face
+    Recognition", CVPR 2022): psi = cos(theta + g_angle) - g_add, per row.
+
+    The embedding norm stands for image quality. Each row's norm is standardised by running
+    statistics of the norms and squashed into [-1, 1]:
+
+        norm_hat = clip((clip(norm, 0.001, 100) - mean) / (std + eps) * h, -1, 1)
+        g_angle  = -m * norm_hat            (an ArcFace-like angular part)
+        g_add    = m + m * norm_hat         (a CosFace-like additive part)
+        psi      = cos(clip(theta + g_angle, eps, pi - eps)) - g_add,   eps = 1e-3
+
+    so a high-norm (good) image gets a negative angular margin and up to 2m of additive one
+    (hard samples weigh more), a low-norm one up to m of angular margin and no additive one
+    (hard samples weigh less). The norm enters only through norm_hat, which is a constant
+    for autograd: no gradient flows into the norms or the statistics.
+
+    Running statistics (buffers `running_mean`, `running_std`, float64, starting at 20 and
+    100): every training forward (module in training mode, grad enabled) first updates them
+    with the batch's clipped norms, mean and unbiased std (Bessel's correction, as
+    `Tensor.std`), as an exponential moving average with weight t_alpha on the batch, then
+    computes norm_hat with the updated values; evaluation and no-grad forwards use them as
+    they are. The head passes the norms of the whole global batch (every rank's embeddings,
+    gathered), so the statistics are the same on every rank. They are state: the head's
+    state_dict (and so its checkpoint) holds them, replicated.
+
+    Followed: the formula and every constant of the authors' `AdaFace` head (head.py of
+    github.com/mk-minchul/AdaFace: eps, the norm clip, the initial 20 / 100, the unbiased
+    std, the update before use, the theta clip) and their published settings: m = 0.4 and
+    h = 0.333 (the training scripts), s = 64 and t_alpha = 0.01 (config.py's defaults; the
+    head class's own t_alpha default, 1.0, is not what they train with).
+    Deliberate differences:
+    - No acos (this module's numerical rules): cos(theta + g) comes from the angle-sum rule,
+      and the clip of theta + g to [eps, pi - eps] from comparing the cosine with
+      cos(eps - g) and cos(pi - eps - g), which is the same clip without the angle. The
+      authors also clamp every cosine (each class's, not only the target's) to
+      [-1 + eps, 1 - eps] before their acos; that only keeps acos's gradient finite, so it
+      is left out here: the other classes' logits are s cos, and the target's psi is exact
+      (and its gradient finite) up to |cos| = 1.
+    - Statistics of the global batch. The authors' head sits inside DDP, whose buffer
+      broadcast makes every rank use rank 0's statistics of rank 0's local batch.
+    - A batch whose statistic is not finite (a NaN embedding) leaves that running value as
+      it was, so one bad batch, skipped by the non-finite guard, does not poison every
+      later margin; a batch of one row leaves the std as it was (no unbiased std exists).
+    - Statistics in float64 whatever the precision level (precision.py leaves the buffers
+      named in `keep_dtype_buffers` alone), so the update of 1 % per step is not rounded.
+    """
+
+    uses_norms = True
+    keep_dtype_buffers = ("running_mean", "running_std")
+
+    def __init__(
+        self, s: float = 64.0, m: float = 0.4, h: float = 0.333, t_alpha: float = 0.01
+    ) -> None:
+        super().__init__(s)
+        if not 0.0 <= m < math.pi / 2:
+            raise ValueError(f"head.m: AdaFace's margin must lie in [0, pi/2), got {m}")
+        if not h >= 0.0:
+            raise ValueError(f"head.h: must be >= 0, got {h}")
+        if not 0.0 <= t_alpha <= 1.0:
+            raise ValueError(f"head.t_alpha: must lie in [0, 1], got {t_alpha}")
+        self.m, self.h, self.t_alpha = float(m), float(h), float(t_alpha)
+        self.register_buffer(
+            "running_mean", torch.tensor(ADAFACE_INITIAL_MEAN, dtype=torch.float64)
+        )
+        self.register_buffer("running_std", torch.tensor(ADAFACE_INITIAL_STD, dtype=torch.float64))
+
+    def forward(self, cos_target: Tensor, norms: Tensor) -> Tensor:
+        cos = cos_target.to(_compute_dtype(cos_target))
+        if norms.shape != cos.shape:
+            raise ValueError(
+                f"AdaFace: norms of shape {tuple(norms.shape)} for cosines of {tuple(cos.shape)}"
+            )
+        if self.training and torch.is_grad_enabled():
+            self.update_statistics(norms)
+        norm_hat = self.norm_hat(norms, cos.dtype)
+        g_angle = -self.m * norm_hat
+        g_add = self.m + self.m * norm_hat
+        # cos(theta + g) by the angle-sum rule (no acos: see the module docstring).
+        shifted = cos * torch.cos(g_angle) - _sine(cos) * torch.sin(g_angle)
+        # theta + g < eps  <=>  theta < eps - g  <=>  cos > cos(eps - g), when eps - g > 0
+        # (|g| <= m < pi/2 keeps both angles below pi); likewise at the top, pi - eps - g < pi.
+        low, high = ADAFACE_EPS - g_angle, (math.pi - ADAFACE_EPS) - g_angle
+        below = (low > 0) & (cos > torch.cos(low))
+        above = (high < math.pi) & (cos < torch.cos(high))
+        clipped = math.cos(ADAFACE_EPS)  # cos(eps) = -cos(pi - eps)
+        psi = torch.where(below, clipped, torch.where(above, -clipped, shifted))
+        return psi - g_add
+
+    def norm_hat(self, norms: Tensor, dtype: torch.dtype) -> Tensor:
+        """The standardised, clipped norms in [-1, 1], in `dtype`, from the running values."""
+        safe = norms.detach().to(dtype).clamp(*ADAFACE_NORM_CLIP)
+        mean, std = self.running_mean.to(dtype), self.running_std.to(dtype)
+        return ((safe - mean) / (std + ADAFACE_EPS) * self.h).clamp(-1.0, 1.0)
+
+    @torch.no_grad()
+    def update_statistics(self, norms: Tensor) -> None:
+        """Move the running mean and std towards the batch's (weight t_alpha), in float64.
+
+        On the device, no host read: a statistic that is not finite keeps the old value.
+        """
+        safe = norms.detach().to(torch.float64).clamp(*ADAFACE_NORM_CLIP).reshape(-1)
+        batch = [(self.running_mean, safe.mean())]
+        if safe.numel() > 1:  # one row has no unbiased std
+            batch.append((self.running_std, safe.std()))
+        for running, value in batch:
+            moved = self.t_alpha * value + (1.0 - self.t_alpha) * running.to(torch.float64)
+            running.copy_(torch.where(torch.isfinite(value), moved, running.to(torch.float64)))
+
+    def extra_repr(self) -> str:
+        return f"s={self.scale}, m={self.m}, h={self.h}, t_alpha={self.t_alpha}"
+
+
 MARGINS: dict[str, type[Margin]] = {
     "arcface": ArcFace,
     "cosface": CosFace,
     "sphereface": SphereFace,
     "am_softmax": AMSoftmax,
     "combined": CombinedMargin,
+    "adaface": AdaFace,
 }
 
 
@@ -220,28 +353,30 @@ def build_margin(
     m1: float | None = None,
     m2: float | None = None,
     m3: float | None = None,
+    h: float | None = None,
+    t_alpha: float | None = None,
 ) -> Margin:
     """The margin called `name` (a key of MARGINS) with s = `scale` and its margin values.
 
-    None takes the margin's own default. `m` belongs to arcface / cosface / sphereface /
-    am_softmax and `m1`, `m2`, `m3` to combined; giving one to the wrong margin, an unknown
-    name, or an out-of-range value raises ValueError naming the config key (head.m, ...).
+    None takes the margin's own default. `m` belongs to every margin but combined, `m1`,
+    `m2`, `m3` to combined, `h` and `t_alpha` to adaface; giving one to the wrong margin, an
+    unknown name, or an out-of-range value raises ValueError naming the config key (head.m,
+    ...).
     """
     if name not in MARGINS:
         raise ValueError(f"head.margin: unknown margin {name!r} (choose from {', '.join(MARGINS)})")
     kwargs: dict[str, float] = {}
     if scale is not None:
         kwargs["s"] = scale
-    if name == "combined":
-        if m is not None:
-            raise ValueError("head.m: the combined margin takes head.m1, head.m2 and head.m3")
-        for key, value in (("m1", m1), ("m2", m2), ("m3", m3)):
-            if value is not None:
-                kwargs[key] = value
-    else:
-        for key, value in (("m1", m1), ("m2", m2), ("m3", m3)):
-            if value is not None:
-                raise ValueError(f"head.{key}: only used with head.margin=combined, not {name}")
-        if m is not None:
-            kwargs["m"] = m
+    own = {"combined": ("m1", "m2", "m3"), "adaface": ("m", "h", "t_alpha")}.get(name, ("m",))
+    values = {"m": m, "m1": m1, "m2": m2, "m3": m3, "h": h, "t_alpha": t_alpha}
+    for key, value in values.items():
+        if value is None:
+            continue
+        if key not in own:
+            if name == "combined" and key == "m":
+                raise ValueError("head.m: the combined margin takes head.m1, head.m2 and head.m3")
+            users = "combined" if key in ("m1", "m2", "m3") else "adaface"
+            raise ValueError(f"head.{key}: only used with head.margin={users}, not {name}")
+        kwargs[key] = value
     return MARGINS[name](**kwargs)

@@ -226,7 +226,7 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
 
     total_steps = cfg.train.epochs * steps_per_epoch
     warmup_steps = round(cfg.optim.warmup_epochs * steps_per_epoch)
-    scheduler = build_scheduler(optimizer, total_steps, warmup_steps, cfg.optim)
+    scheduler = build_scheduler(optimizer, total_steps, warmup_steps, cfg.optim, steps_per_epoch)
     progress = Progress(
         per_batch=cfg.train.batch_size * num_replicas,
         global_batch=global_batch(cfg, num_replicas),
