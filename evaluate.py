@@ -22,9 +22,13 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from recognition.compat import torch_version_error
 from recognition.config import ConfigError, EvalTarget, load_config, parse_image_size
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -157,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             device = pick_device(args.device)
             backbone, image_size = load_backbone(checkpoint, device)
             extraction = Extraction(args.batch_size, not args.no_flip, device, args.workers)
+            _check_image_size(backbone, image_size_arg)
             image_size = image_size_arg or image_size
             is_reid = args.reid is not None
             if is_reid:
@@ -203,6 +208,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error_message(exc)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_image_size(backbone: nn.Module, image_size: int | tuple[int, int] | None) -> None:
+    """Refuse an --image-size that a backbone built for one input size cannot take (IResNet:
+    its fc layer is sized for the map of its own input size), naming the flag."""
+    from recognition.config import image_size_pair
+
+    fixed = getattr(backbone, "image_size", None)
+    if image_size is None or fixed is None:
+        return
+    height, width = image_size_pair(image_size)
+    if (height, width) != tuple(fixed):
+        raise ValueError(
+            f"--image-size {height}x{width}: this checkpoint's backbone takes "
+            f"{fixed[0]}x{fixed[1]} images only (its layers are sized for them); leave "
+            "--image-size out"
+        )
 
 
 def _ijb(args: argparse.Namespace, image_size: tuple[int, int] | None) -> int:

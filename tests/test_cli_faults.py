@@ -316,3 +316,27 @@ def test_decode_gpu_with_png_cmyk_and_a_damaged_jpeg(tmp_path, monkeypatch, caps
     assert line.startswith(f"error: {bad}: cannot decode") and "data.on_bad_image=skip" in line
     for path, content in kept.items():
         assert path.read_bytes() == content
+
+
+def test_one_sample_per_process_with_batch_norm_is_refused(tmp_path, capsys):
+    data = make_folder(tmp_path / "data")
+    out = tmp_path / "run"
+    assert train.main([*tiny_args(data, out), "train.batch_size=1"]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith(
+        "error: train.batch_size=1: iresnet18 at model.width=0.125 has BatchNorm"
+    )
+    assert not (out / "checkpoints").exists()
+
+
+def test_an_image_size_the_checkpoint_cannot_take_names_the_flag(tmp_path, capsys):
+    data = make_folder(tmp_path / "data")
+    out = tmp_path / "run"
+    assert train.main([*tiny_args(data, out), "train.max_steps=1"]) == 0
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_text("1\t1\np0\t0\t1\np0\t0\tp1\t0\n")
+    (data / "p0" / "p0_0000.jpg").write_bytes((data / "p0" / "0.jpg").read_bytes())
+    args = ["--checkpoint", str(out / "backbone.pt"), "--pairs", str(pairs)]
+    assert evaluate.main([*args, "--images", str(data), "--image-size", "48"]) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("error: --image-size 48x48: this checkpoint's backbone takes 32x32")
