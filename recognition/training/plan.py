@@ -146,7 +146,11 @@ def plan_rank(
         memory = TensorMemory(granularity=granularity, on_peak=breakdown if detailed else None)
         # A shape environment: sizes that depend on data (a boolean mask's rows) become
         # symbols, counted at their largest.
-        with FakeTensorMode(shape_env=ShapeEnv()), memory:
+        _register_inplace_metas()
+        # allow_fallback_kernels=False: an op without a fake kernel stops the plan rather
+        # than run for real on real copies of its inputs (the memory the plan must not take).
+        fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_fallback_kernels=False)
+        with fake_mode, memory:
             parts = _build(cfg, dist_info, num_classes)
             breakdown.watch(parts)
             micro_batches = _fake_batch(cfg, parts)
@@ -182,6 +186,26 @@ def plan_rank(
         flops_head=head_flops,
         bound_s=dict(cost.bound_s) if cost is not None else {},
     )
+
+
+# Fused optimizer steps that torch has no fake kernel for (2.11 to 2.14: SGD's). They
+# update their tensors in place and return nothing, so on fake tensors they do nothing.
+_INPLACE_STEPS = ("_fused_sgd_", "_fused_sgd_.tensor_lr", "_fused_adamw_.tensor_lr")
+_meta_library: list[torch.library.Library] = []
+
+
+def _register_inplace_metas() -> None:
+    if _meta_library:
+        return
+    library = torch.library.Library("aten", "IMPL")
+    for name in _INPLACE_STEPS:
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "Meta"):
+            library.impl(name, _do_nothing, "Meta")
+    _meta_library.append(library)
+
+
+def _do_nothing(*args: object, **kwargs: object) -> None:
+    return None
 
 
 @contextlib.contextmanager

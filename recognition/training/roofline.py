@@ -63,8 +63,9 @@ DEVICES = {
 }
 
 _CONVOLUTIONS = {"convolution", "convolution_backward", "_convolution", "conv2d"}
-# Ops that move no tensor memory (communication is not the memory bound's).
-_FREE_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
+# Ops that move no tensor memory: metadata (prim.device) and communication (not the
+# memory bound's).
+_FREE_NAMESPACES = {"prim", "c10d", "_c10d_functional", "_c10d_functional_autograd"}
 
 
 class StepCost(TorchDispatchMode):
