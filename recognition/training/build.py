@@ -180,6 +180,11 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
         steps_per_epoch,
         global_batch(cfg, num_replicas),
     )
+    if cfg.train.memory_check and dist_info.device.type == "cuda":
+        # Before the first allocation of the run's size (the planner imports this module).
+        from recognition.training.plan import check_memory
+
+        check_memory(cfg, dist_info, data.num_classes)
     if dist_info.is_main:
         save_config(cfg, cfg.run_dir / "config.yaml")
         if not resuming:

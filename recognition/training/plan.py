@@ -427,56 +427,121 @@ def with_batch(cfg: ExperimentConfig, batch_size: int) -> ExperimentConfig:
 def largest(
     peak_at: Callable[[int], int], start: int, limit: int, *, tolerance: float = 0.0
 ) -> int:
-    """The largest integer x >= 1 with peak_at(x) <= limit (0 if even 1 does not fit).
+    """The largest integer x >= 1 with peak_at(x) <= limit (0 if even 1 does not fit), to
+    within `tolerance` (relative; 0: exactly).
 
-    `peak_at` grows with x and is convex piecewise linear in it (a batch or a class count:
-    every phase's memory is linear in both), so a secant through the last two plans
-    predicts the answer; each prediction is planned and narrows a bracket [fits, does not
-    fit], with bisection where a secant would not. Stops when the bracket is within
-    `tolerance` (relative) of the answer, or exact.
+    `peak_at` grows with x and is piecewise linear in it (a batch or a class count: the
+    memory of every phase of a step is linear in both), so the line through the two plans
+    nearest the limit predicts the answer. Each prediction is planned, and so is its
+    neighbour one step (the tolerance) beyond it, which settles it when the line was
+    right; bisection takes over where the line would leave the bracket.
     """
     peaks: dict[int, int] = {}
 
-    def peak(x: int) -> int:
+    def fits(x: int) -> bool:
         if x not in peaks:
             peaks[x] = peak_at(x)
-        return peaks[x]
+        return peaks[x] <= limit
 
-    low, high = 0, None  # low fits (0: nothing known to fit), high does not
-    x = max(1, start)
-    while high is None:
-        if peak(x) <= limit:
-            low = x
-            x = _secant(peaks, low, limit) or 2 * x
-            x = max(x, low + 1)
+    low, high = 0, None  # low fits (0: none known to), high does not (None: none known)
+    for x in dict.fromkeys((max(1, start), max(1, start // 2))):  # the second is cheaper
+        if fits(x):
+            low = max(low, x)
         else:
-            high = x
-    while high - low > max(1, math.floor(tolerance * low)):
-        guess = _secant(peaks, low, limit) if low > 0 else None
-        if guess is None or not low < guess < high:
-            guess = (low + high) // 2 if low > 0 else max(1, high // 2)
-        if low == 0 and guess >= high:
-            guess = high - 1
-        if guess < 1:
-            break
-        if peak(guess) <= limit:
+            high = x if high is None else min(high, x)
+    while high is None or high - low > _step(low, tolerance):
+        if high == 1:
+            return 0
+        guess = _secant(peaks, limit)
+        if guess is None or guess <= low or (high is not None and guess >= high):
+            guess = 2 * low if high is None else (low + high) // 2
+        guess = max(guess, 1)
+        if fits(guess):
             low = guess
+            beyond = guess + _step(guess, tolerance)
+            if high is None or beyond < high:
+                if fits(beyond):
+                    low = beyond
+                else:
+                    high = beyond
         else:
             high = guess
-        if low == 0 and high == 1:
-            break
+            below = max(low, guess - _step(guess, tolerance))
+            if below > low:
+                if fits(below):
+                    low = below
+                else:
+                    high = below
     return low
 
 
-def _secant(peaks: dict[int, int], near: int, limit: int) -> int | None:
-    """Where the line through the two planned points nearest `near` reaches `limit`."""
-    points = sorted(peaks.items(), key=lambda item: abs(item[0] - near))[:2]
+def _step(x: int, tolerance: float) -> int:
+    return max(1, math.floor(tolerance * x))
+
+
+def _secant(peaks: dict[int, int], limit: int) -> int | None:
+    """Where the line through the two planned points nearest the limit reaches it."""
+    points = sorted(peaks.items(), key=lambda item: abs(item[1] - limit))[:2]
     if len(points) < 2:
         return None
     (x0, p0), (x1, p1) = points
-    if p1 == p0:
+    if p1 == p0 or x1 == x0:
         return None
     slope = (p1 - p0) / (x1 - x0)
     if slope <= 0:
         return None
     return int(x0 + (limit - p0) / slope)
+
+
+# ---------------------------------------------------------------------- before a GPU run
+
+
+def check_memory(
+    cfg: ExperimentConfig,
+    dist_info: DistInfo,
+    num_classes: int,
+    *,
+    device_memory: int | None = None,
+) -> None:
+    """Refuse a GPU run whose plan does not fit: raise TrainingError on every rank, with one
+    line (the planned peak, the GPU's memory, the largest batch that fits).
+
+    Collective. Rank 0 plans (in a child process when a process group runs: the planner
+    needs its own fake one) and tells the others. `device_memory` (bytes) stands for the
+    GPU's total memory (tests); None reads it from this rank's device.
+    """
+    from recognition import distributed
+    from recognition.training.build import TrainingError
+
+    if device_memory is None:
+        device_memory = torch.cuda.get_device_properties(dist_info.device).total_memory
+    limit = int(device_memory * (1 - HEADROOM))
+    answer = None
+    if dist_info.is_main:
+        answer = _peak_and_batch(cfg, dist_info.world_size, num_classes, limit)
+    peak, batch = distributed.broadcast_object(answer)  # type: ignore[misc]
+    if peak > limit:
+        raise TrainingError(
+            f"train.memory_check: the planned peak is {peak / GIB:.1f} GiB per GPU, the GPU "
+            f"has {device_memory / GIB:.1f} GiB ({limit / GIB:.1f} usable, {HEADROOM:.0%} "
+            f"kept free); the largest train.batch_size that fits is {batch or 'none'} "
+            "(python train.py --plan says more; train.memory_check=false runs anyway)"
+        )
+    log.info("memory check: planned peak %.1f GiB of %.1f GiB usable", peak / GIB, limit / GIB)
+
+
+def _peak_and_batch(
+    cfg: ExperimentConfig, world_size: int, num_classes: int, limit: int
+) -> tuple[int, int | None]:
+    """(worst planned peak, the largest batch that fits or None when the run fits)."""
+    if dist.is_initialized():
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(1) as pool:
+            return pool.apply(_peak_and_batch, (cfg, world_size, num_classes, limit))
+    from recognition.training.plan_report import largest_batch
+
+    plan = plan_run(cfg, num_classes, world_size)
+    peak = plan.worst.peak
+    return peak, (largest_batch(cfg, plan, limit) if peak > limit else None)
