@@ -3,7 +3,7 @@
 Reality: the CPU allocator's peak of the same step on real tensors (torch.profiler's
 memory events, `plan_check.measure_rank`), on one process and on two gloo ranks, for six
 configurations (O0 and O2 bf16, chunked and unchunked head, 10k-200k classes,
-accumulation 1 and 2); the plan must be within 15 % of it on every rank. Formulas: the
+accumulation 1 and 2); the plan must be within 5 % of it on every rank. Formulas: the
 persistent parts (parameters, class rows, fp32 masters, optimizer state) in closed form.
 Then the search for the largest batch / class count, the command line, and the GPU
 pre-flight check with a stubbed GPU memory.
@@ -54,7 +54,9 @@ CASES = [
     ("O0 chunked, accumulate 2", 100_000, ["head.chunk_size=2048", ACCUMULATE_2]),
     ("O2 bf16 whole shard", 50_000, [O2]),
 ]  # fmt: skip
-TOLERANCE = 0.15
+# The issue asks for 15 %; the plans are within 1 % here, and 5 % still catches a part
+# left out (DDP's gradient buckets are ~13 % of the two-rank peaks below).
+TOLERANCE = 0.05
 
 
 def tiny(*extra: str):
