@@ -244,7 +244,7 @@ class ModelParts:
     param_ids: list[int] | None
 
 
-Wrapper = Callable[[ExperimentConfig, DistInfo, nn.Module, "dist.ProcessGroup | None"], nn.Module]
+Wrapper = Callable[[ExperimentConfig, DistInfo, nn.Module], nn.Module]
 
 
 def build_model(
@@ -259,9 +259,9 @@ def build_model(
     """This rank's model, head shard, precision and optimizer for `num_classes` classes.
 
     What `build` makes besides the data and the schedule, and what the run planner
-    (`recognition.training.plan`) makes under fake tensors. `wrap` wraps a backbone or a
-    stage for data parallelism (given the config, the rank, the module and the
-    data-parallel group, None for the whole world); None: DistributedDataParallel (and
+    (`recognition.training.plan`) makes under fake tensors. `wrap` wraps the backbone for
+    data parallelism (given the config, the rank and the module; not used with a pipeline,
+    whose stages pipeline.wrap_stage wraps); None: DistributedDataParallel (and
     torch.compile), as training does.
     """
     precision = Precision(
@@ -277,12 +277,12 @@ def build_model(
         if wrap is None:
             model = _wrap_model(cfg, dist_info, backbone)
         else:
-            model = wrap(cfg, dist_info, backbone, None)
+            model = wrap(cfg, dist_info, backbone)
         step: Callable[..., StepResult] = train_step
         param_ids = None
     else:
         backbone, head, model, step, param_ids = _build_pipeline(
-            cfg, dist_info, layout, num_classes, memory_format, precision, wrap
+            cfg, dist_info, layout, num_classes, memory_format, precision
         )
     parts = [backbone] if head is None else [backbone, head]
     groups = param_groups(parts, cfg.optim.weight_decay)
@@ -425,7 +425,6 @@ def _build_pipeline(
     num_classes: int,
     memory_format: torch.memory_format,
     precision: Precision,
-    wrap: Wrapper | None = None,
 ) -> tuple[nn.Module, ShardedMarginSoftmax | None, nn.Module, PipelineStep, list[int]]:
     """This rank's stage, the head on the last stage's ranks (sharded over their
     data-parallel group), the stage as the schedule runs it, the step, and the optimizer's
@@ -472,7 +471,6 @@ def _build_pipeline(
         schedule=cfg.model.pipeline_schedule,
         num_micro=cfg.micro_batches,
         memory_format=memory_format,
-        wrap=None if wrap is None else lambda module: wrap(cfg, dist_info, module, layout.dp_group),
     )
     # The whole model's optimizer order, which a checkpoint's optimizer state is keyed by;
     # a bias-free Linear stands for the head there (one 2-D parameter called weight).

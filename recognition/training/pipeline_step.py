@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -164,19 +164,17 @@ def build_pipeline_step(
     schedule: str,
     num_micro: int,
     memory_format: torch.memory_format = torch.preserve_format,
-    wrap: Callable[[nn.Module], nn.Module] | None = None,
 ) -> tuple[nn.Module, PipelineStep]:
     """The stage as the schedule runs it (in DDP over its replicas) and the step.
 
     Collective over the pipeline (the stages' micro-batch shapes are passed along). Call
-    after `precision.prepare` of the stage and the head, on the device. `wrap` replaces
-    the data-parallel wrapper (`wrap_stage`), as the run planner does.
+    after `precision.prepare` of the stage and the head, on the device.
     """
     send_contiguous(stage, layout, memory_format)
     images = torch.empty(micro_batch_size, 3, *image_hw, device="meta")
     images = precision.cast_inputs(images).contiguous(memory_format=_images_format(memory_format))
     input_meta, output_meta = stage_io(stage, layout, images, precision, device)
-    model = wrap_stage(stage, layout, device) if wrap is None else wrap(stage)
+    model = wrap_stage(stage, layout, device)
     step = PipelineStep(
         model,
         layout,

@@ -243,27 +243,25 @@ def _module_flops(counter: FlopCounterMode, module_name: str) -> int:
 def _build(cfg: ExperimentConfig, dist_info: DistInfo, num_classes: int) -> ModelParts:
     """The rank's parts as training builds them, data-parallel wrappers made by
     `_DataParallelMemory` (DDP itself cannot wrap fake tensors)."""
-    from recognition.pipeline import make_layout
-
     if cfg.head.kernel == "triton" or cfg.head.fused_update:
         raise PlanError(
             "head.kernel=triton: the Triton kernels cannot run on fake tensors; plan with "
             "head.kernel=torch and a head.chunk_size (the kernel's memory is at most that "
             "of the chunked torch path)"
         )
-    layout = (
-        make_layout(cfg.model.pipeline_stages, dist_info) if cfg.model.pipeline_stages > 1 else None
-    )
+    if cfg.model.pipeline_stages > 1:
+        raise PlanError(
+            "model.pipeline_stages > 1 cannot be planned yet: the stages learn their input "
+            "shapes from each other through collectives (pipeline.stage_io), which a fake "
+            "process group cannot carry; plan model.pipeline_stages=1 for the head's memory"
+        )
     # Parameters in the contiguous format: a channels-last copy has the same bytes, and
     # Module.to cannot convert fake parameters. The batch keeps the run's format.
-    return build_model(cfg, dist_info, num_classes, layout, torch.preserve_format, wrap=_wrap)
+    return build_model(cfg, dist_info, num_classes, None, torch.preserve_format, wrap=_wrap)
 
 
-def _wrap(
-    cfg: ExperimentConfig, dist_info: DistInfo, module: nn.Module, group: dist.ProcessGroup | None
-) -> nn.Module:
-    num_replicas = dist.get_world_size(group) if group is not None else dist_info.world_size
-    return _DataParallelMemory(module) if num_replicas > 1 else module
+def _wrap(cfg: ExperimentConfig, dist_info: DistInfo, module: nn.Module) -> nn.Module:
+    return _DataParallelMemory(module) if dist_info.is_distributed else module
 
 
 class _DataParallelMemory(nn.Module):
