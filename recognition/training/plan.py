@@ -435,11 +435,13 @@ def largest(
     """The largest integer x >= 1 with peak_at(x) <= limit (0 if even 1 does not fit), to
     within `tolerance` (relative; 0: exactly).
 
-    `peak_at` grows with x and is piecewise linear in it (a batch or a class count: the
-    memory of every phase of a step is linear in both), so the line through the two plans
-    nearest the limit predicts the answer. Each prediction is planned, and so is its
-    neighbour one step (the tolerance) beyond it, which settles it when the line was
-    right; bisection takes over where the line would leave the bracket.
+    `peak_at` must grow with x and be convex: a batch or a class count, of which every
+    live tensor's size is an affine function, so the peak is the largest of affine
+    functions. The line through the two plans nearest the limit predicts the answer; a
+    line through two points both below its prediction runs under a convex function beyond
+    them, so a prediction that fits is the answer. Otherwise each prediction is planned
+    with its neighbour one step (the tolerance) beyond it, and bisection takes over where
+    the line would leave the bracket.
     """
     peaks: dict[int, int] = {}
 
@@ -454,15 +456,17 @@ def largest(
             low = max(low, x)
         else:
             high = x if high is None else min(high, x)
-    while high is None or high - low > _step(low, tolerance):
+    while high is None or high - low > _step(high, tolerance):
         if high == 1:
             return 0
-        guess = _secant(peaks, limit)
+        guess, extrapolated = _secant(peaks, limit)
         if guess is None or guess <= low or (high is not None and guess >= high):
-            guess = 2 * low if high is None else (low + high) // 2
+            guess, extrapolated = (2 * low if high is None else (low + high) // 2), False
         guess = max(guess, 1)
         if fits(guess):
             low = guess
+            if extrapolated:
+                return low
             beyond = guess + _step(guess, tolerance)
             if high is None or beyond < high:
                 if fits(beyond):
@@ -484,18 +488,20 @@ def _step(x: int, tolerance: float) -> int:
     return max(1, math.floor(tolerance * x))
 
 
-def _secant(peaks: dict[int, int], limit: int) -> int | None:
-    """Where the line through the two planned points nearest the limit reaches it."""
+def _secant(peaks: dict[int, int], limit: int) -> tuple[int | None, bool]:
+    """Where the line through the two planned points nearest the limit reaches it, and
+    whether both points lie below that (an extrapolation)."""
     points = sorted(peaks.items(), key=lambda item: abs(item[1] - limit))[:2]
     if len(points) < 2:
-        return None
+        return None, False
     (x0, p0), (x1, p1) = points
     if p1 == p0 or x1 == x0:
-        return None
+        return None, False
     slope = (p1 - p0) / (x1 - x0)
     if slope <= 0:
-        return None
-    return int(x0 + (limit - p0) / slope)
+        return None, False
+    guess = int(x0 + (limit - p0) / slope)
+    return guess, max(x0, x1) < guess and max(p0, p1) <= limit
 
 
 # ---------------------------------------------------------------------- before a GPU run

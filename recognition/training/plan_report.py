@@ -126,7 +126,7 @@ def verdict(cfg: ExperimentConfig, plan: RunPlan, gpu_memory_gib: float) -> str:
         f"{head}: peak {_gib(worst.peak)} (rank {worst.rank}) of {_gib(limit)} usable "
         f"({gpu_memory_gib:g} GiB less {HEADROOM:.0%} headroom); largest train.batch_size "
         f"that fits: {batch or 'none'}; largest class count that fits: "
-        f"{f'about {classes:,}' if classes else 'none'}"
+        f"{f'about {_three_digits(classes):,}' if classes else 'none'}"
     )
 
 
@@ -182,6 +182,12 @@ def _gib(num_bytes: int) -> str:
         if num_bytes >= size:
             return f"{num_bytes / size:.2f} {unit}"
     return f"{num_bytes} B"
+
+
+def _three_digits(count: int) -> int:
+    """`count` rounded down to three significant digits (the search is within 1 %)."""
+    scale = 10 ** max(0, len(str(count)) - 3)
+    return count // scale * scale
 
 
 def _flops(count: int) -> str:
