@@ -164,9 +164,9 @@ def test_persistent_memory_matches_the_closed_form(level, optimizer, world):
     assert plan.num_local_classes == rows
     assert plan.parameters == parameters
     assert plan.class_rows == class_rows
-    assert plan.masters == masters
+    assert plan.fp32_masters == masters
     assert plan.optimizer_state == state
-    parts = plan.parameters + plan.class_rows + plan.masters + plan.optimizer_state
+    parts = plan.parameters + plan.class_rows + plan.fp32_masters + plan.optimizer_state
     assert parts + plan.gradients + plan.activations == plan.peak
 
 
@@ -247,12 +247,19 @@ def test_a_large_plan_takes_no_memory_of_its_size():
 # ---------------------------------------------------------------------- before a GPU run
 
 
-def test_memory_check_refuses_what_does_not_fit_and_names_the_batch():
+def test_memory_check_refuses_what_does_not_fit_and_names_the_batch(tmp_path):
+    import torch.distributed as dist
+
     cfg = tiny("head.chunk_size=4096")
     plan = plan_rank(cfg, 20_000, 1, 0, detailed=False)
     check_memory(cfg, DistInfo(), 20_000, device_memory=4 * plan.peak)  # fits: no error
-    with pytest.raises(TrainingError) as info:
-        check_memory(cfg, DistInfo(), 20_000, device_memory=plan.peak)  # 10 % is kept free
+    # Under a running process group (as in a torchrun job) the plan runs in a child process.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(TrainingError) as info:
+            check_memory(cfg, DistInfo(), 20_000, device_memory=plan.peak)  # 10 % kept free
+    finally:
+        dist.destroy_process_group()
     message = str(info.value)
     assert "planned peak" in message and "train.memory_check=false" in message
     batch = int(message.split("largest train.batch_size that fits is ")[1].split(" ")[0])

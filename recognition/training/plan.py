@@ -66,7 +66,7 @@ class RankPlan:
     """The backbone's (or stage's) parameters and buffers, in the model's dtype."""
     class_rows: int
     """The head's shard of the class matrix."""
-    masters: int
+    fp32_masters: int
     """fp32 master copies (precision O2)."""
     optimizer_state: int
     gradients: int
@@ -177,7 +177,7 @@ def plan_rank(
         num_local_classes=parts.head.num_local if parts.head is not None else 0,
         parameters=at_peak.get("parameters", 0),
         class_rows=at_peak.get("class_rows", 0),
-        masters=at_peak.get("masters", 0),
+        fp32_masters=at_peak.get("fp32_masters", 0),
         optimizer_state=at_peak.get("optimizer_state", 0),
         gradients=at_peak.get("gradients", 0),
         activations=memory.peak - other if detailed else 0,
@@ -310,7 +310,7 @@ def _fake_batch(
 
 
 # Categories of the breakdown besides activations (what they are, at the peak).
-_STATE = ("parameters", "class_rows", "masters", "optimizer_state", "gradients")
+_STATE = ("parameters", "class_rows", "fp32_masters", "optimizer_state", "gradients")
 
 
 class _Breakdown:
@@ -331,11 +331,13 @@ class _Breakdown:
         self.parts = parts
         head_weight = [] if parts.head is None else [parts.head.weight]
         backbone = [*parts.backbone.parameters(), *parts.backbone.buffers()]
-        masters = [m for _, p, m in parts.precision.masters() if m is not p]
+        params = [*parts.backbone.parameters(), *head_weight]
+        stepped = [parts.precision.optimizer_param(p) for p in params]
+        masters = [m for m, p in zip(stepped, params, strict=True) if m is not p]  # O2
         self._static = {
             "parameters": self._bytes(backbone),
             "class_rows": self._bytes(head_weight),
-            "masters": self._bytes(masters),
+            "fp32_masters": self._bytes(masters),
         }
         self._grad_holders = [*parts.backbone.parameters(), *head_weight, *masters]
         self._buckets = [
@@ -533,12 +535,22 @@ def check_memory(
     peak, batch = distributed.broadcast_object(answer)  # type: ignore[misc]
     if peak > limit:
         raise TrainingError(
-            f"train.memory_check: the planned peak is {peak / GIB:.1f} GiB per GPU, the GPU "
-            f"has {device_memory / GIB:.1f} GiB ({limit / GIB:.1f} usable, {HEADROOM:.0%} "
+            f"train.memory_check: the planned peak is {format_bytes(peak)} per GPU, the GPU "
+            f"has {format_bytes(device_memory)} ({format_bytes(limit)} usable, {HEADROOM:.0%} "
             f"kept free); the largest train.batch_size that fits is {batch or 'none'} "
             "(python train.py --plan says more; train.memory_check=false runs anyway)"
         )
-    log.info("memory check: planned peak %.1f GiB of %.1f GiB usable", peak / GIB, limit / GIB)
+    log.info("memory check: planned peak %s of %s usable", format_bytes(peak), format_bytes(limit))
+
+
+def format_bytes(num_bytes: int) -> str:
+    """Bytes in GiB, MiB or KiB (whichever keeps the number at 1 or more); "-" for none."""
+    if num_bytes == 0:
+        return "-"
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.2f} {unit}"
+    return f"{num_bytes} B"
 
 
 def _peak_and_batch(

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from recognition.config import ExperimentConfig
 from recognition.training.plan import (
-    GIB,
     HEADROOM,
     PlanError,
     RunPlan,
+    format_bytes,
     largest,
     plan_rank,
     plan_run,
@@ -79,13 +79,13 @@ def format_plan(plan: RunPlan) -> str:
     ]
     rows: list[tuple[str, list[str]]] = [
         ("classes on the rank", [f"{r.num_local_classes:,}" for r in plan.ranks]),
-        ("parameters", [_gib(r.parameters) for r in plan.ranks]),
-        ("class rows", [_gib(r.class_rows) for r in plan.ranks]),
-        ("fp32 masters", [_gib(r.masters) for r in plan.ranks]),
-        ("optimizer state", [_gib(r.optimizer_state) for r in plan.ranks]),
-        ("gradients at peak", [_gib(r.gradients) for r in plan.ranks]),
-        ("activations at peak", [_gib(r.activations) for r in plan.ranks]),
-        ("peak", [f"{_gib(r.peak)} ({r.phase})" for r in plan.ranks]),
+        ("parameters", [format_bytes(r.parameters) for r in plan.ranks]),
+        ("class rows", [format_bytes(r.class_rows) for r in plan.ranks]),
+        ("fp32 masters", [format_bytes(r.fp32_masters) for r in plan.ranks]),
+        ("optimizer state", [format_bytes(r.optimizer_state) for r in plan.ranks]),
+        ("gradients at peak", [format_bytes(r.gradients) for r in plan.ranks]),
+        ("activations at peak", [format_bytes(r.activations) for r in plan.ranks]),
+        ("peak", [f"{format_bytes(r.peak)} ({r.phase})" for r in plan.ranks]),
         ("step FLOPs, backbone", [_flops(r.flops_backbone) for r in plan.ranks]),
         ("step FLOPs, head", [_flops(r.flops_head) for r in plan.ranks]),
     ]
@@ -123,7 +123,7 @@ def verdict(cfg: ExperimentConfig, plan: RunPlan, gpu_memory_gib: float) -> str:
     fits = worst.peak <= limit
     head = "fits" if fits else "does NOT fit"
     return (
-        f"{head}: peak {_gib(worst.peak)} (rank {worst.rank}) of {_gib(limit)} usable "
+        f"{head}: peak {format_bytes(worst.peak)} (rank {worst.rank}) of {format_bytes(limit)} usable "
         f"({gpu_memory_gib:g} GiB less {HEADROOM:.0%} headroom); largest train.batch_size "
         f"that fits: {batch or 'none'}; largest class count that fits: "
         f"{f'about {_three_digits(classes):,}' if classes else 'none'}"
@@ -136,6 +136,8 @@ def largest_batch(cfg: ExperimentConfig, plan: RunPlan, limit: int) -> int:
     ranks = [r.rank for r in plan.ranks] if cfg.model.pipeline_stages > 1 else [plan.worst.rank]
 
     def peak_at(multiple: int) -> int:
+        if multiple * unit == 1:  # BatchNorm needs two samples to train: never fits
+            return limit + 1
         if multiple * unit == plan.batch_size:
             return max(r.peak for r in plan.ranks if r.rank in ranks)
         trial = with_batch(cfg, multiple * unit)
@@ -172,16 +174,6 @@ def _batch_unit(cfg: ExperimentConfig) -> int:
     if model.micro_batch_size is not None:
         return model.micro_batch_size
     return 2 * model.pipeline_stages
-
-
-def _gib(num_bytes: int) -> str:
-    """Bytes in GiB, MiB or KiB (whichever keeps the number above 1)."""
-    if num_bytes == 0:
-        return "-"
-    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.2f} {unit}"
-    return f"{num_bytes} B"
 
 
 def _three_digits(count: int) -> int:
