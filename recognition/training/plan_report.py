@@ -123,7 +123,8 @@ def verdict(cfg: ExperimentConfig, plan: RunPlan, gpu_memory_gib: float) -> str:
     fits = worst.peak <= limit
     head = "fits" if fits else "does NOT fit"
     return (
-        f"{head}: peak {format_bytes(worst.peak)} (rank {worst.rank}) of {format_bytes(limit)} usable "
+        f"{head}: peak {format_bytes(worst.peak)} (rank {worst.rank}) of "
+        f"{format_bytes(limit)} usable "
         f"({gpu_memory_gib:g} GiB less {HEADROOM:.0%} headroom); largest train.batch_size "
         f"that fits: {batch or 'none'}; largest class count that fits: "
         f"{f'about {_three_digits(classes):,}' if classes else 'none'}"
