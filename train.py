@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="key=value",
         help="dotted config overrides, e.g. head.margin=cosface optim.lr=0.05",
     )
-    args = parser.parse_args(argv)
+    # Intermixed: `--plan --gpus 8 key=value --classes N` reads as well as the options first.
+    args = parser.parse_intermixed_args(argv)
     if (version_error := torch_version_error()) is not None:
         print(f"error: {version_error}", file=sys.stderr)
         return 2

@@ -151,7 +151,7 @@ def plan_rank(
         # allow_fallback_kernels=False: an op without a fake kernel stops the plan rather
         # than run for real on real copies of its inputs (the memory the plan must not take).
         fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_fallback_kernels=False)
-        with fake_mode, memory:
+        with fake_mode, memory, _scaler_updates_as_on_gpu():
             parts = _build(cfg, dist_info, num_classes)
             breakdown.watch(parts)
             micro_batches = _fake_batch(cfg, parts)
@@ -224,6 +224,31 @@ def _fake_process_group(rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _scaler_updates_as_on_gpu() -> Iterator[None]:
+    """torch's sharded fp16 loss scaler updates its scale on a GPU with one kernel and on
+    the CPU in Python that reads the overflow flag on the host, which a fake tensor has
+    not: while planning (fake CPU tensors standing for a GPU run's) it takes the kernel."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    def update_with_kernel(scaler: ShardedGradScaler, found_inf: torch.Tensor) -> None:
+        torch._amp_update_scale_(
+            scaler._scale,  # type: ignore[arg-type]
+            scaler._growth_tracker,  # type: ignore[arg-type]
+            found_inf,
+            scaler._growth_factor,
+            scaler._backoff_factor,
+            scaler._growth_interval,
+        )
+
+    original = ShardedGradScaler._amp_update_scale_cpu_
+    ShardedGradScaler._amp_update_scale_cpu_ = update_with_kernel  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardedGradScaler._amp_update_scale_cpu_ = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
