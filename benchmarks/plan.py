@@ -38,7 +38,8 @@ BASE = [
 ]
 O2 = "precision.level=O2"
 # (world size, classes, overrides): 10k to 1M classes, O0 / O1 / O2 bf16, whole shard and
-# chunked, accumulation 1 and 2, one and two ranks (odd class counts: the shards differ).
+# chunked, accumulation 1 and 2, partial FC, one and two ranks (odd class counts: the
+# shards differ).
 CASES = [
     (1, 10_000, []),
     (1, 200_000, ["precision.level=O1"]),
@@ -48,6 +49,8 @@ CASES = [
     (2, 300_001, [O2]),
     (2, 1_000_001, [O2, "head.chunk_size=16384", "train.accumulate_steps=2"]),
     (2, 100_001, ["head.chunk_size=8192", "train.accumulate_steps=2"]),
+    (1, 1_000_000, [O2, "head.sample_rate=0.2", "head.chunk_size=16384"]),
+    (2, 300_001, ["head.sample_rate=0.1", "train.accumulate_steps=2"]),
 ]
 
 
@@ -57,8 +60,10 @@ def describe(overrides: list[str]) -> str:
     accumulate = next(
         (o.split("=")[1] for o in overrides if o.startswith("train.accumulate_steps")), "1"
     )
+    rate = next((o.split("=")[1] for o in overrides if o.startswith("head.sample_rate")), None)
     precision = level if level == "O0" else f"{level} bf16"
-    return f"{precision}, chunk {chunk or 'none'}, accumulate {accumulate}"
+    sampled = f", partial FC {rate}" if rate else ""
+    return f"{precision}, chunk {chunk or 'none'}, accumulate {accumulate}{sampled}"
 
 
 def _measure(rank: int, world: int, port: int, out: str, classes: int, overrides: list) -> None:
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for r in records
     ]
-    columns = [("W", 2), ("rank", 4), ("classes", 10), ("config", -32), ("planned MiB", 11),
+    columns = [("W", 2), ("rank", 4), ("classes", 10), ("config", -48), ("planned MiB", 11),
                ("measured MiB", 12), ("error %", 7), ("peak in", -8), ("plan s", 6)]  # fmt: skip
     print_table(columns, rows)
     if args.json:

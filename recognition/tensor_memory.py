@@ -42,12 +42,15 @@ class TensorMemory(TorchDispatchMode):
         self.peak = 0
         self._sizes: dict[int, int] = {}  # id of a live storage -> its counted bytes
         self._refs: dict[int, weakref.ref] = {}
+        self._pending: dict[int, torch.SymInt] = {}  # sizes counted at the next op
 
     def reset_peak(self) -> None:
         """Start a new peak from the bytes live now (as torch.cuda.reset_peak_memory_stats)."""
+        self._settle()
         self.peak = self.live
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self._settle()
         out = func(*args, **(kwargs or {}))
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
@@ -57,7 +60,15 @@ class TensorMemory(TorchDispatchMode):
     def _count(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         key = id(storage)
-        nbytes = self._rounded(upper_bound(storage.nbytes()))
+        size = storage.nbytes()
+        if isinstance(size, torch.SymInt) and key not in self._sizes:
+            # A size that depends on data: its bound is often known only once the code
+            # that made it has checked it (torch._check), so it counts from the next op.
+            self._sizes[key] = 0
+            self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
+            self._pending[key] = size
+            return
+        nbytes = self._rounded(upper_bound(size))
         known = self._sizes.get(key)
         if known is not None and self._refs[key]() is storage:
             if known != nbytes:  # resized in place (resize_, an out= argument)
@@ -72,7 +83,17 @@ class TensorMemory(TorchDispatchMode):
         self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
         self._add(nbytes)
 
+    def _settle(self) -> None:
+        """Count the data-dependent sizes made by the ops before, at their bounds now."""
+        pending, self._pending = self._pending, {}
+        for key, size in pending.items():
+            if key in self._sizes:
+                nbytes = self._rounded(upper_bound(size))
+                self._sizes[key] = nbytes
+                self._add(nbytes)
+
     def _free(self, key: int) -> None:
+        self._pending.pop(key, None)
         nbytes = self._sizes.pop(key, 0)
         self._refs.pop(key, None)
         self.live -= nbytes
@@ -94,5 +115,8 @@ def upper_bound(value: int | torch.SymInt) -> int:
     tensor, such as the rows a boolean mask selects: at most all of them)."""
     if isinstance(value, torch.SymInt):
         node = value.node
-        return int(node.shape_env.bound_sympy(node.expr).upper)
+        upper = node.shape_env.bound_sympy(node.expr).upper
+        if not upper.is_finite:
+            raise ValueError(f"a size that depends on data has no known bound ({node.expr})")
+        return int(upper)
     return int(value)

@@ -3,7 +3,7 @@
 Reality: the CPU allocator's peak of the same step on real tensors (torch.profiler's
 memory events, `plan_check.measure_rank`), on one process and on two gloo ranks, for six
 configurations (O0 and O2 bf16, chunked and unchunked head, 10k-100k classes,
-accumulation 1 and 2); the plan must be within 5 % of it on every rank. Formulas: the
+accumulation 1 and 2, partial FC); the plan must be within 5 % of it on every rank. Formulas: the
 persistent parts (parameters, class rows, fp32 masters, optimizer state) in closed form.
 Then the search for the largest batch / class count, the command line, and the GPU
 pre-flight check with a stubbed GPU memory.
@@ -53,6 +53,7 @@ CASES = [
     ("O2 bf16 chunked, accumulate 2", 100_000, [O2, "head.chunk_size=4096", ACCUMULATE_2]),
     ("O0 chunked, accumulate 2", 100_000, ["head.chunk_size=2048", ACCUMULATE_2]),
     ("O2 bf16 whole shard", 50_000, [O2]),
+    ("O0 partial FC 0.2", 100_000, ["head.sample_rate=0.2"]),
 ]  # fmt: skip
 # The issue asks for 15 %; the plans are within 1 % here, and 5 % still catches a part
 # left out (DDP's gradient buckets are ~13 % of the two-rank peaks below).
@@ -71,7 +72,11 @@ def assert_close(plan: RankPlan, measured: int, what: str) -> None:
     )
 
 
-@pytest.mark.parametrize("name,classes,overrides", CASES[:3], ids=[c[0] for c in CASES[:3]])
+ONE_PROCESS = [CASES[i] for i in (0, 1, 2, 4)]
+TWO_RANKS = [CASES[i] for i in (0, 2, 3)]
+
+
+@pytest.mark.parametrize("name,classes,overrides", ONE_PROCESS, ids=[c[0] for c in ONE_PROCESS])
 def test_plan_matches_the_allocator_on_one_process(name, classes, overrides):
     from recognition.training.plan_check import measure_rank
 
@@ -102,7 +107,9 @@ def test_plan_matches_the_allocator_on_two_ranks(tmp_path):
     from tests.helpers import free_port
 
     # Odd class counts: the ranks' shards differ by one row, so both are distinct plans.
-    cases = [(name, classes + 1, overrides) for name, classes, overrides in (CASES[0], *CASES[2:])]
+    cases = [
+        (name, classes + 1, overrides) for name, classes, overrides in CASES[0:4:2] + [CASES[3]]
+    ]
     mp.spawn(_measure_two_ranks, args=(free_port(), str(tmp_path), cases), nprocs=2, join=True)
     for rank in range(2):
         measured = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -16,9 +16,9 @@ pipeline, rank 0 (the largest shard) and the last rank when the classes do not d
 What the plan leaves out: memory that kernels take behind the dispatcher (cuDNN
 workspaces), the CUDA context (outside the allocator), allocator fragmentation (hence the
 headroom kept free), `train.compile` (planned eager). Data-dependent sizes (the rows of
-the batch whose label a rank owns) are planned at their largest. DDP's gradient buckets (a
+the batch whose label a rank owns, partial FC's positives) are planned at their largest. DDP's gradient buckets (a
 flat copy of the backbone's gradients) are allocated as DDP does. Not planned yet (refused
-with the reason): pipelines, partial FC, the Triton head.
+with the reason): pipelines, the Triton head.
 """
 
 from __future__ import annotations
@@ -274,12 +274,6 @@ def _build(cfg: ExperimentConfig, dist_info: DistInfo, num_classes: int) -> Mode
             "head.kernel=triton: the Triton kernels cannot run on fake tensors; plan with "
             "head.kernel=torch and a head.chunk_size (the kernel's memory is at most that "
             "of the chunked torch path)"
-        )
-    if cfg.head.sample_rate < 1:
-        raise PlanError(
-            f"head.sample_rate={cfg.head.sample_rate:g} (partial FC) cannot be planned yet: "
-            "the classes it samples and the rows its optimizer steps are read on the host "
-            "each step; plan head.sample_rate=1 (the full softmax over the shard)"
         )
     if cfg.model.pipeline_stages > 1:
         raise PlanError(
