@@ -16,9 +16,10 @@ pipeline, rank 0 (the largest shard) and the last rank when the classes do not d
 What the plan leaves out: memory that kernels take behind the dispatcher (cuDNN
 workspaces), the CUDA context (outside the allocator), allocator fragmentation (hence the
 headroom kept free), `train.compile` (planned eager). Data-dependent sizes (the rows of
-the batch whose label a rank owns, partial FC's positives) are planned at their largest. DDP's gradient buckets (a
-flat copy of the backbone's gradients) are allocated as DDP does. Not planned yet (refused
-with the reason): pipelines, the Triton head.
+the batch whose label a rank owns, partial FC's positives and the rows its optimizer
+steps) are planned at their largest. DDP's gradient buckets (a flat copy of the
+backbone's gradients) are allocated as DDP does. Not planned yet (refused with the
+reason): pipelines, the Triton head.
 """
 
 from __future__ import annotations
