@@ -40,7 +40,7 @@ from recognition.config import ExperimentConfig
 from recognition.distributed import DistInfo
 from recognition.heads import shard_range
 from recognition.optim import init_state
-from recognition.tensor_memory import CUDA_BLOCK_BYTES, TensorMemory
+from recognition.tensor_memory import CUDA_BLOCK_BYTES, TensorMemory, upper_bound
 from recognition.training.build import ModelParts, build_model
 from recognition.training.roofline import StepCost
 
@@ -146,19 +146,19 @@ def plan_rank(
         dist_info = DistInfo(rank=rank, local_rank=0, world_size=world_size)
         breakdown = _Breakdown(granularity)
         memory = TensorMemory(granularity=granularity, on_peak=breakdown if detailed else None)
-        # A shape environment: sizes that depend on data (a boolean mask's rows) become
-        # symbols, counted at their largest.
         _register_inplace_metas()
-        # allow_fallback_kernels=False: an op without a fake kernel stops the plan rather
-        # than run for real on real copies of its inputs (the memory the plan must not take).
+        # A shape environment: sizes that depend on data (a boolean mask's rows) become
+        # symbols, counted at their largest. allow_fallback_kernels=False: an op without a
+        # fake kernel stops the plan rather than run for real on real copies of its inputs
+        # (the memory the plan must not take).
         fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_fallback_kernels=False)
         with fake_mode, memory, _scaler_updates_as_on_gpu():
             parts = _build(cfg, dist_info, num_classes)
             breakdown.watch(parts)
-            micro_batches = _fake_batch(cfg, parts)
+            micro_batches = _fake_batch(cfg)
             init_state(parts.optimizer)
             memory.reset_peak()
-            breakdown.reset(memory.live)
+            breakdown.start_step()
             with _counters(detailed) as (cost, flops):
                 parts.step(
                     parts.model,
@@ -309,23 +309,17 @@ class _DataParallelMemory(nn.Module):
         return self.module(*args, **kwargs)
 
 
-def _fake_batch(
-    cfg: ExperimentConfig, parts: ModelParts
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _fake_batch(cfg: ExperimentConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The step's micro-batches as the loop hands them over: float images (B, 3, H, W) in
-    the run's memory format (an empty image batch on later pipeline stages, which read the
-    labels alone) and int64 labels."""
+    the run's memory format, and int64 labels."""
     batch = cfg.train.batch_size
     memory_format = torch.channels_last if cfg.data.channels_last else torch.contiguous_format
-    first_stage = cfg.model.pipeline_stages == 1 or dist.get_rank() % cfg.model.pipeline_stages == 0
-    shape = (batch, 3, *cfg.data.image_hw) if first_stage else (batch, 0, 0, 0)
-    count = cfg.train.accumulate_steps
     return [
         (
-            torch.empty(shape).contiguous(memory_format=memory_format),
+            torch.empty(batch, 3, *cfg.data.image_hw).contiguous(memory_format=memory_format),
             torch.zeros(batch, dtype=torch.int64),
         )
-        for _ in range(count)
+        for _ in range(cfg.train.accumulate_steps)
     ]
 
 
@@ -375,12 +369,12 @@ class _Breakdown:
         # The planner's own Precision: its step marks the update phase.
         parts.precision.step = marked_step  # type: ignore[method-assign]
 
-    def reset(self, live: int) -> None:
-        """The step starts: the peak so far is the state before it."""
+    def start_step(self) -> None:
+        """The step starts: until a new peak, the peak is the state before it."""
         self.phase = "forward"
-        self(force=True)
+        self()
 
-    def __call__(self, force: bool = False) -> None:
+    def __call__(self) -> None:
         if self.parts is None:
             return
         phase = self.phase
@@ -401,8 +395,6 @@ class _Breakdown:
         self.phase_at_peak = phase
 
     def _bytes(self, tensors: list[torch.Tensor]) -> int:
-        from recognition.tensor_memory import upper_bound
-
         seen: dict[int, int] = {}
         for t in tensors:
             storage = t.untyped_storage()
