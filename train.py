@@ -1,7 +1,9 @@
 """Train a recognition model: `python train.py [--config NAME_OR_PATH] [key=value ...]`.
 
 Runs on one process as is, or on N with `torchrun --nproc_per_node N train.py ...` (and on
-several machines with torchrun's rendezvous options; see the README).
+several machines with torchrun's rendezvous options; see the README). With `--plan
+--gpus N --gpu-memory GIB [--classes C]` it plans the run on this CPU instead (README,
+"Planning a run").
 """
 
 from __future__ import annotations
@@ -28,12 +30,29 @@ def main(argv: list[str] | None = None) -> int:
         help="a name in configs/ (default: default) or a path to a YAML file",
     )
     parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="plan the run on this CPU instead of training: each rank's memory and step-time "
+        "bound, whether it fits, the largest batch and class count that fit",
+    )
+    parser.add_argument("--gpus", type=int, default=8, help="with --plan: GPUs (world size)")
+    parser.add_argument(
+        "--gpu-memory", type=float, default=80.0, help="with --plan: GiB of memory per GPU"
+    )
+    parser.add_argument(
+        "--classes",
+        type=int,
+        default=None,
+        help="with --plan: the class count (default: the data set's, which must be here)",
+    )
+    parser.add_argument(
         "overrides",
         nargs="*",
         metavar="key=value",
         help="dotted config overrides, e.g. head.margin=cosface optim.lr=0.05",
     )
-    args = parser.parse_args(argv)
+    # Intermixed: `--plan --gpus 8 key=value --classes N` reads as well as the options first.
+    args = parser.parse_intermixed_args(argv)
     if (version_error := torch_version_error()) is not None:
         print(f"error: {version_error}", file=sys.stderr)
         return 2
@@ -42,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+
+    if args.plan:
+        from recognition.training.plan_report import run_plan_command
+
+        return run_plan_command(
+            cfg, gpus=args.gpus, gpu_memory_gib=args.gpu_memory, num_classes=args.classes
+        )
 
     from recognition.data.workers import error_message
     from recognition.distributed import is_collective_failure

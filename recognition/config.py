@@ -318,6 +318,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     max_nonfinite_steps: int = 5
     """Stop the run after this many non-finite losses in a row."""
+    memory_check: bool = True
+    """On GPUs: before building the model, plan the run (README, "Planning a run") and
+    refuse it when the planned peak does not fit the GPU's memory; false skips the check."""
     progress: bool = True
     compile: bool = False
     """torch.compile the backbone (the head stays eager: its collectives and custom autograd

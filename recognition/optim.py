@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from recognition.compat import release
 from recognition.config import OptimConfig
@@ -81,8 +82,10 @@ def fused_is_sound(params: list[torch.Tensor]) -> bool:
     CUDA and for float32 / float64; for half-precision parameters on the CPU (precision O3 on
     a CPU) only from CPU_HALF_FUSED_FROM on. Elsewhere the default implementation is used,
     and Precision.step reads its skip flag on the host (one synchronisation per step)."""
+    # Fake tensors (the run planner's) run no kernel: they stand for a GPU run's tensors.
     half_on_cpu = any(
-        p.device.type == "cpu" and p.dtype in (torch.float16, torch.bfloat16) for p in params
+        p.device.type == "cpu" and p.dtype in (torch.float16, torch.bfloat16) and not is_fake(p)
+        for p in params
     )
     return not half_on_cpu or release(torch.__version__)[:2] >= CPU_HALF_FUSED_FROM
 

@@ -99,6 +99,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
@@ -106,6 +107,7 @@ from recognition import distributed
 from recognition.heads import tuning
 from recognition.heads.margins import Margin
 from recognition.sharded import mark_like, set_row_placement
+from recognition.tensor_memory import upper_bound
 
 logger = logging.getLogger(__name__)
 
@@ -692,6 +694,7 @@ class ShardedMarginSoftmax(nn.Module):
         self.sampling_step = 0
         # Rows sampled since the optimizer's last step (bool (num_local,)), for attach_optimizer.
         self._rows_to_update: Tensor | None = None
+        self._most_rows_to_update = 0  # how many rows _rows_to_update can hold at most
         self._optimizer_hooks: list[Any] = []
         # The tensor the optimizer steps for `weight` (the weight, or its O2 master); in a
         # list, since a Parameter set as an attribute would become one of the head's own.
@@ -1017,7 +1020,10 @@ class ShardedMarginSoftmax(nn.Module):
     def _sample_rows(self, target_row: Tensor, owned: Tensor) -> Tensor:
         """Local rows (K,) sorted that take part this step: positives plus random others."""
         positives = torch.unique(target_row[owned])  # sorted
-        num_keep = max(int(positives.numel()), self.num_sample)
+        # On the run planner's fake tensors the count depends on data it has not: its
+        # largest (every row of the batch a distinct positive) is planned.
+        torch._check(positives.numel() <= min(target_row.numel(), self.num_local))
+        num_keep = max(upper_bound(positives.numel()), self.num_sample)
         key = _sampling_key(self.seed, self.sampling_step)
         self.sampling_step += 1
         priority = _class_priority(self.class_start, self.num_local, key, target_row.device)
@@ -1029,8 +1035,10 @@ class ShardedMarginSoftmax(nn.Module):
         sampled[row_index] = True
         if self._rows_to_update is None or (self.weight.grad is None and not self._accumulating):
             self._rows_to_update = sampled
+            self._most_rows_to_update = num_keep
         else:
             self._rows_to_update |= sampled
+            self._most_rows_to_update = min(self.num_local, self._most_rows_to_update + num_keep)
         return row_index
 
     @contextlib.contextmanager
@@ -1087,9 +1095,12 @@ class ShardedMarginSoftmax(nn.Module):
 
         def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             mask = self._rows_to_update
-            if mask is None or bool(mask.all()):
+            # A fake mask (the run planner's) has no value to read: it plans the swap.
+            if mask is None or (not is_fake(mask) and bool(mask.all())):
                 return
             rows = mask.nonzero().squeeze(1)
+            # The planner's fake count is bounded by this (the real one always is).
+            torch._check(rows.shape[0] <= self._most_rows_to_update)
             state = opt.state[target]
             full_state = {
                 name: value

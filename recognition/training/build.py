@@ -186,6 +186,11 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
         steps_per_epoch,
         global_batch(cfg, num_replicas),
     )
+    if cfg.train.memory_check and dist_info.device.type == "cuda":
+        # Before the first allocation of the run's size (the planner imports this module).
+        from recognition.training.plan import check_memory
+
+        check_memory(cfg, dist_info, data.num_classes)
     if dist_info.is_main:
         save_config(cfg, cfg.run_dir / "config.yaml")
         if not resuming:
@@ -197,33 +202,8 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
     )
     memory_format = torch.channels_last if cfg.data.channels_last else torch.preserve_format
     loader = _build_loader(cfg, dist_info, data, batches, layout, decode, memory_format)
-    precision = Precision(
-        cfg.precision.level,
-        cfg.precision.dtype,
-        dist_info.device,
-        # Ranks see different head gradients: the fp16 overflow check must be global.
-        process_group=dist.group.WORLD if dist_info.is_distributed else None,
-    )
-    if layout is None:
-        backbone, head = _build_model(cfg, dist_info, data.num_classes, memory_format)
-        precision.prepare(backbone, head)
-        model = _wrap_model(cfg, dist_info, backbone)
-        step: Callable[..., StepResult] = train_step
-        param_ids = None
-    else:
-        backbone, head, model, step, param_ids = _build_pipeline(
-            cfg, dist_info, layout, data.num_classes, memory_format, precision
-        )
-    parts = [backbone] if head is None else [backbone, head]
-    groups = param_groups(parts, cfg.optim.weight_decay)
-    optimizer = build_optimizer(precision.param_groups(groups), cfg.optim)
-    # Partial FC: the optimizer must only move the class rows sampled for the step (under
-    # O2 it steps the fp32 master of the head's weight, not the half weight itself).
-    if head is not None and cfg.head.fused_update:  # the Triton backward steps the rows
-        head.attach_fused_update(optimizer)
-    elif head is not None:
-        head.attach_optimizer(optimizer, precision.optimizer_param(head.weight))
-
+    parts = build_model(cfg, dist_info, data.num_classes, layout, memory_format)
+    optimizer = parts.optimizer
     total_steps = cfg.train.epochs * steps_per_epoch
     warmup_steps = round(cfg.optim.warmup_epochs * steps_per_epoch)
     scheduler = build_scheduler(optimizer, total_steps, warmup_steps, cfg.optim, steps_per_epoch)
@@ -238,10 +218,10 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
         data=data,
         batches=batches,
         loader=loader,
-        backbone=backbone,
-        model=model,
-        head=head,
-        precision=precision,
+        backbone=parts.backbone,
+        model=parts.model,
+        head=parts.head,
+        precision=parts.precision,
         optimizer=optimizer,
         scheduler=scheduler,
         progress=progress,
@@ -250,10 +230,76 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
         classes_sha256=data.classes_fingerprint(),
         num_classes=data.num_classes,
         memory_format=memory_format,
-        step=step,
+        step=parts.step,
         layout=layout,
-        param_ids=param_ids,
+        param_ids=parts.param_ids,
     )
+
+
+@dataclass
+class ModelParts:
+    """What one rank steps: its backbone (or pipeline stage), the module the step calls,
+    its head shard, the precision, the optimizer and the step function."""
+
+    backbone: nn.Module
+    model: nn.Module
+    head: ShardedMarginSoftmax | None
+    precision: Precision
+    optimizer: torch.optim.Optimizer
+    step: Callable[..., StepResult]
+    param_ids: list[int] | None
+
+
+Wrapper = Callable[[ExperimentConfig, DistInfo, nn.Module], nn.Module]
+
+
+def build_model(
+    cfg: ExperimentConfig,
+    dist_info: DistInfo,
+    num_classes: int,
+    layout: PipelineLayout | None,
+    memory_format: torch.memory_format,
+    *,
+    wrap: Wrapper | None = None,
+) -> ModelParts:
+    """This rank's model, head shard, precision and optimizer for `num_classes` classes.
+
+    What `build` makes besides the data and the schedule, and what the run planner
+    (`recognition.training.plan`) makes under fake tensors. `wrap` wraps the backbone for
+    data parallelism (given the config, the rank and the module; not used with a pipeline,
+    whose stages pipeline.wrap_stage wraps); None: DistributedDataParallel (and
+    torch.compile), as training does.
+    """
+    precision = Precision(
+        cfg.precision.level,
+        cfg.precision.dtype,
+        dist_info.device,
+        # Ranks see different head gradients: the fp16 overflow check must be global.
+        process_group=dist.group.WORLD if dist_info.is_distributed else None,
+    )
+    if layout is None:
+        backbone, head = _build_model(cfg, dist_info, num_classes, memory_format)
+        precision.prepare(backbone, head)
+        if wrap is None:
+            model = _wrap_model(cfg, dist_info, backbone)
+        else:
+            model = wrap(cfg, dist_info, backbone)
+        step: Callable[..., StepResult] = train_step
+        param_ids = None
+    else:
+        backbone, head, model, step, param_ids = _build_pipeline(
+            cfg, dist_info, layout, num_classes, memory_format, precision
+        )
+    parts = [backbone] if head is None else [backbone, head]
+    groups = param_groups(parts, cfg.optim.weight_decay)
+    optimizer = build_optimizer(precision.param_groups(groups), cfg.optim)
+    # Partial FC: the optimizer must only move the class rows sampled for the step (under
+    # O2 it steps the fp32 master of the head's weight, not the half weight itself).
+    if head is not None and cfg.head.fused_update:  # the Triton backward steps the rows
+        head.attach_fused_update(optimizer)
+    elif head is not None:
+        head.attach_optimizer(optimizer, precision.optimizer_param(head.weight))
+    return ModelParts(backbone, model, head, precision, optimizer, step, param_ids)
 
 
 def _pipelined(cfg: ExperimentConfig) -> bool:
@@ -370,6 +416,16 @@ def _build_data(
     return data, sampler, resolve_decode(cfg.data, dist_info.device, data)
 
 
+def _to_device(
+    module: nn.Module, device: torch.device, memory_format: torch.memory_format
+) -> nn.Module:
+    # Nothing to move for a CPU module in its own format; Module.to would still make every
+    # parameter anew, which it cannot do to the planner's fake tensors.
+    if device.type == "cpu" and memory_format == torch.preserve_format:
+        return module
+    return module.to(device, memory_format=memory_format)
+
+
 def _build_model(
     cfg: ExperimentConfig,
     dist_info: DistInfo,
@@ -385,7 +441,7 @@ def _build_model(
                 "it (model.sync_bn=false)"
             )
         backbone = nn.SyncBatchNorm.convert_sync_batchnorm(backbone)
-    backbone = backbone.to(device, memory_format=memory_format)
+    backbone = _to_device(backbone, device, memory_format)
     # Each rank builds only its shard of the class matrix (the head reads rank and world
     # size from the process group), drawn so that the whole matrix is the same on any
     # number of ranks.
@@ -430,7 +486,7 @@ def _build_pipeline(
                 "it (model.sync_bn=false)"
             )
         stage = nn.SyncBatchNorm.convert_sync_batchnorm(stage, process_group=layout.dp_group)
-    stage = stage.to(device, memory_format=memory_format)
+    stage = _to_device(stage, device, memory_format)
     head = None
     if layout.is_last:
         head = build_head(

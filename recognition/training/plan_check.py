@@ -1,0 +1,80 @@
+"""The plan against reality: the CPU allocator's peak of the same step on real tensors.
+
+`measure_rank` builds the rank's parts as training does (`build_model`, real DDP over the
+process group that exists) on the CPU, runs real steps on random batches, and returns the
+peak of the bytes the CPU allocator held during the last step, read from torch.profiler's
+memory events (every allocation and free of the CPU allocator while profiling, in order).
+That count knows nothing of dispatch: it sees what the allocator was asked for, the
+kernels' own buffers included. The test and `benchmarks/plan.py` compare it with
+`plan_rank(..., granularity=1)`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from recognition.config import ExperimentConfig
+from recognition.distributed import DistInfo
+from recognition.pipeline import make_layout
+from recognition.training.build import build_model
+
+
+def measure_rank(
+    cfg: ExperimentConfig, num_classes: int, dist_info: DistInfo, *, steps: int = 2
+) -> int:
+    """Bytes: the CPU allocator's peak over the last of `steps` training steps of this rank
+    (collective when a process group exists), counting everything allocated since the
+    parts were built."""
+    torch.manual_seed(cfg.seed + dist_info.rank)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        layout = None
+        if cfg.model.pipeline_stages > 1:
+            layout = make_layout(cfg.model.pipeline_stages, dist_info)
+        memory_format = torch.channels_last if cfg.data.channels_last else torch.preserve_format
+        parts = build_model(cfg, dist_info, num_classes, layout, memory_format)
+        first = layout is None or layout.is_first
+        batch = cfg.train.batch_size
+        shape = (batch, 3, *cfg.data.image_hw) if first else (batch, 0, 0, 0)
+        for step in range(steps):
+            micro_batches = [
+                (
+                    torch.randn(shape).contiguous(memory_format=_images_format(memory_format)),
+                    torch.randint(0, num_classes, (batch,)),
+                )
+                for _ in range(cfg.train.accumulate_steps)
+            ]
+            with record_function(f"plan_check_step_{step}"):
+                parts.step(
+                    parts.model,
+                    parts.head,
+                    micro_batches,
+                    parts.optimizer,
+                    parts.precision,
+                    cfg.optim.grad_clip,
+                )
+            del micro_batches
+    return _peak_of(prof, f"plan_check_step_{steps - 1}")
+
+
+def _images_format(memory_format: torch.memory_format) -> torch.memory_format:
+    return torch.contiguous_format if memory_format == torch.preserve_format else memory_format
+
+
+def _peak_of(prof: profile, marker: str) -> int:
+    """The allocator's peak (bytes live) between the start and end of the `marker` range."""
+    events = prof.profiler.kineto_results.events()
+    (span,) = [e for e in events if e.name() == marker]
+    start, end = span.start_ns(), span.start_ns() + span.duration_ns()
+    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    live = 0
+    peak = None
+    for event in memory:
+        if event.start_ns() > end:
+            break
+        if event.start_ns() >= start and peak is None:
+            peak = live
+        live += event.nbytes()
+        if peak is not None:
+            peak = max(peak, live)
+    return live if peak is None else peak

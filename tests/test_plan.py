@@ -1,0 +1,298 @@
+"""The run planner (recognition/training/plan.py) against reality and against formulas.
+
+Reality: the CPU allocator's peak of the same step on real tensors (torch.profiler's
+memory events, `plan_check.measure_rank`), on one process and on two gloo ranks, for six
+configurations (O0 and O2 bf16, chunked and unchunked head, 10k-100k classes,
+accumulation 1 and 2, partial FC); the plan must be within 5 % of it on every rank. Formulas: the
+persistent parts (parameters, class rows, fp32 masters, optimizer state) in closed form.
+Then the search for the largest batch / class count, the command line, and the GPU
+pre-flight check with a stubbed GPU memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import resource
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from recognition.config import load_config
+from recognition.distributed import DistInfo
+from recognition.models import backbone_from_config
+from recognition.training.build import TrainingError
+from recognition.training.plan import (
+    RankPlan,
+    check_memory,
+    distinct_ranks,
+    largest,
+    plan_rank,
+    with_batch,
+)
+
+TINY = [
+    "model.width=0.125",
+    "model.embedding_size=16",
+    "data.image_size=32",
+    "train.batch_size=8",
+    "eval.targets=[]",
+]
+
+# (name, classes, overrides): every axis of the issue's check appears on both world sizes.
+ACCUMULATE_2 = "train.accumulate_steps=2"
+O2 = "precision.level=O2"
+CASES = [
+    ("O0 whole shard", 10_000, []),
+    ("O2 bf16 chunked, accumulate 2", 100_000, [O2, "head.chunk_size=4096", ACCUMULATE_2]),
+    ("O0 chunked, accumulate 2", 100_000, ["head.chunk_size=2048", ACCUMULATE_2]),
+    ("O2 bf16 whole shard", 50_000, [O2]),
+    ("O0 partial FC 0.2", 100_000, ["head.sample_rate=0.2"]),
+]  # fmt: skip
+# The issue asks for 15 %; the plans are within 1 % here, and 5 % still catches a part
+# left out (DDP's gradient buckets are ~13 % of the two-rank peaks below).
+TOLERANCE = 0.05
+
+
+def tiny(*extra: str):
+    return load_config("default", [*TINY, *extra])
+
+
+def assert_close(plan: RankPlan, measured: int, what: str) -> None:
+    error = abs(plan.peak - measured) / measured
+    assert error <= TOLERANCE, (
+        f"{what}: planned {plan.peak / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB "
+        f"({100 * error:.1f} % off)"
+    )
+
+
+ONE_PROCESS = [CASES[i] for i in (0, 1, 2, 4)]
+TWO_RANKS = [CASES[i] for i in (0, 2, 3)]
+
+
+@pytest.mark.parametrize("name,classes,overrides", ONE_PROCESS, ids=[c[0] for c in ONE_PROCESS])
+def test_plan_matches_the_allocator_on_one_process(name, classes, overrides):
+    from recognition.training.plan_check import measure_rank
+
+    cfg = tiny(*overrides)
+    plan = plan_rank(cfg, classes, 1, 0, granularity=1)
+    assert_close(plan, measure_rank(cfg, classes, DistInfo()), name)
+
+
+def _measure_two_ranks(rank: int, port: int, out: str, cases: list) -> None:
+    from recognition.training.plan_check import measure_rank
+    from tests.helpers import init_gloo_rank
+
+    results: dict[str, object] = {}
+    try:
+        init_gloo_rank(rank, 2, port)
+        info = DistInfo(rank=rank, world_size=2)
+        for name, classes, overrides in cases:
+            results[name] = measure_rank(tiny(*overrides), classes, info)
+    except Exception:
+        results["error"] = traceback.format_exc()
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+        # As tests/test_head_distributed.py: gloo's teardown may abort; the file holds all.
+        os._exit(0)
+
+
+def test_plan_matches_the_allocator_on_two_ranks(tmp_path):
+    from tests.helpers import free_port
+
+    # Odd class counts: the ranks' shards differ by one row, so both are distinct plans.
+    cases = [
+        (name, classes + 1, overrides) for name, classes, overrides in CASES[0:4:2] + [CASES[3]]
+    ]
+    mp.spawn(_measure_two_ranks, args=(free_port(), str(tmp_path), cases), nprocs=2, join=True)
+    for rank in range(2):
+        measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "error" not in measured, measured.get("error")
+        for name, classes, overrides in cases:
+            cfg = tiny(*overrides)
+            assert distinct_ranks(cfg, 2, classes) == [0, 1]
+            plan = plan_rank(cfg, classes, 2, rank, granularity=1)
+            assert_close(plan, measured[name], f"{name}, rank {rank} of 2")
+
+
+# ---------------------------------------------------------------------- formulas
+
+
+def _bytes(tensors, dtype=None) -> int:
+    return sum(t.numel() * (dtype.itemsize if dtype else t.element_size()) for t in tensors)
+
+
+@pytest.mark.parametrize(
+    "level,dtype,optimizer,world",
+    [
+        ("O0", "bf16", "sgd", 1),
+        ("O2", "bf16", "sgd", 3),
+        ("O1", "bf16", "adamw", 2),
+        ("O3", "bf16", "sgd", 2),
+        ("O2", "fp16", "sgd", 2),  # the sharded loss scaler, stepped as on a GPU
+    ],
+)
+def test_persistent_memory_matches_the_closed_form(level, dtype, optimizer, world):
+    classes, dim = 10_007, 16
+    cfg = load_config("default", [*TINY, f"precision.level={level}", f"precision.dtype={dtype}",
+                                  f"optim.name={optimizer}", "head.chunk_size=1024"])  # fmt: skip
+    plan = plan_rank(cfg, classes, world, 0, granularity=1)
+
+    with torch.device("meta"):
+        backbone = backbone_from_config(cfg.model, cfg.data.image_hw)
+    bn = [m for m in backbone.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    bn_params = [p for m in bn for p in m.parameters()]
+    bn_ids = {id(p) for p in bn_params}
+    other = [p for p in backbone.parameters() if id(p) not in bn_ids]
+    buffers = list(backbone.buffers())
+    floats = [b for b in buffers if b.is_floating_point()]
+    counters = [b for b in buffers if not b.is_floating_point()]
+    half, f32 = (torch.bfloat16 if dtype == "bf16" else torch.float16), torch.float32
+    rows = math.ceil(classes / world)  # rank 0 holds the larger shard
+    # The optimizer steps what trains (the embedding BatchNorm's frozen scale does not).
+    trained = [p for p in backbone.parameters() if p.requires_grad]
+    param_numel = sum(p.numel() for p in trained) + rows * dim
+
+    if level in ("O0", "O1"):
+        parameters = _bytes(backbone.parameters(), f32) + _bytes(floats, f32)
+        class_rows, masters, stepped = rows * dim * 4, 0, param_numel * 4
+    elif level == "O2":  # half weights, BatchNorm fp32; fp32 masters of the half ones
+        parameters = _bytes(other, half) + _bytes(bn_params, f32) + _bytes(floats, f32)
+        class_rows = rows * dim * 2
+        masters = _bytes(other, f32) + rows * dim * 4
+        stepped = param_numel * 4
+    else:  # O3: everything half, the optimizer steps the half weights
+        parameters = _bytes(backbone.parameters(), half) + _bytes(floats, half)
+        class_rows, masters, stepped = rows * dim * 2, 0, param_numel * 2
+    parameters += _bytes(counters)
+    num_params = len(trained) + 1
+    # SGD: a momentum buffer per parameter; AdamW: two moments and a float32 step count.
+    state = stepped if optimizer == "sgd" else 2 * stepped + 4 * num_params
+
+    assert plan.num_local_classes == rows
+    assert plan.parameters == parameters
+    assert plan.class_rows == class_rows
+    assert plan.fp32_masters == masters
+    assert plan.optimizer_state == state
+    parts = plan.parameters + plan.class_rows + plan.fp32_masters + plan.optimizer_state
+    assert parts + plan.gradients + plan.activations == plan.peak
+
+
+def test_distinct_ranks():
+    cfg = tiny()
+    assert distinct_ranks(cfg, 8, 29_000_000) == [0]  # 3,625,000 each
+    assert distinct_ranks(cfg, 8, 29_000_001) == [0, 7]
+    piped = tiny("model.pipeline_stages=2", "model.micro_batch_size=4")
+    assert distinct_ranks(piped, 4, 1001) == [0, 1, 3]
+
+
+# ---------------------------------------------------------------------- the searches
+
+
+def test_largest_matches_brute_force():
+    rng = random.Random(0)
+    for _ in range(400):
+        base, slope = rng.randint(0, 500), rng.randint(1, 40)
+        extra, knee = rng.randint(0, 30), rng.randint(1, 400)
+
+        def peak(x: int, base=base, slope=slope, extra=extra, knee=knee) -> int:
+            return base + slope * x + (extra * (x - knee) if x > knee else 0)
+
+        limit = rng.randint(0, 30_000)
+        truth = max((x for x in range(1, 40_000) if peak(x) <= limit), default=0)
+        tolerance = rng.choice([0.0, 0.01])
+        got = largest(peak, rng.randint(1, 600), limit, tolerance=tolerance)
+        if tolerance == 0.0:
+            assert got == truth
+        else:
+            assert got <= truth and truth - got <= max(1, math.floor(0.01 * truth)) + 1
+
+
+def test_largest_batch_is_the_boundary(capsys, tmp_path):
+    """The command line's answer: its batch fits and one more does not (planned directly);
+    it writes nothing, generates no data and creates no run directory."""
+    import train
+
+    out, synthetic = tmp_path / "run", tmp_path / "synthetic"
+    args = ["--plan", "--gpus", "2", "--gpu-memory", "0.02", *TINY, "head.chunk_size=4096"]
+    args += [f"output_dir={out}", f"data.synthetic.root={synthetic}"]
+    args += [f"data.root={synthetic / 'train'}"]
+    assert train.main(args) == 0
+    text = capsys.readouterr().out
+    assert "class rows" in text and "step time >= (H100 SXM)" in text
+    verdict = text.strip().splitlines()[-1]
+    assert verdict.startswith(("fits", "does NOT fit")), verdict
+    batch = int(verdict.split("largest train.batch_size that fits: ")[1].split(";")[0])
+    assert not out.exists() and not synthetic.exists()
+
+    cfg = tiny("head.chunk_size=4096")
+    classes = cfg.data.synthetic.num_identities  # not generated: the spec's count
+    limit = int(0.02 * 2**30 * 0.9)
+    assert plan_rank(with_batch(cfg, batch), classes, 2, 0, detailed=False).peak <= limit
+    assert plan_rank(with_batch(cfg, batch + 1), classes, 2, 0, detailed=False).peak > limit
+
+
+def test_plan_without_the_data_names_the_option(capsys, tmp_path):
+    import train
+
+    args = ["--plan", f"data.root={tmp_path / 'absent'}", "data.synthetic.enabled=false"]
+    assert train.main(args) == 1
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "--classes" in err and "Traceback" not in err
+
+
+def test_a_large_plan_takes_no_memory_of_its_size():
+    """4M classes x 256 (4 GiB of fp32 rows, as much momentum): the process grows by far
+    less, so nothing of the plan's size was allocated (a fallback to real kernels would)."""
+    cfg = tiny("model.embedding_size=256", "head.chunk_size=65536")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    plan = plan_rank(cfg, 4_000_000, 1, 0, detailed=False)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    assert plan.peak > 8 * 2**30
+    assert grown < 2**30
+
+
+# ---------------------------------------------------------------------- before a GPU run
+
+
+def test_memory_check_refuses_what_does_not_fit_and_names_the_batch(tmp_path):
+    import torch.distributed as dist
+
+    cfg = tiny("head.chunk_size=4096")
+    plan = plan_rank(cfg, 20_000, 1, 0, detailed=False)
+    check_memory(cfg, DistInfo(), 20_000, device_memory=4 * plan.peak)  # fits: no error
+    # Under a running process group (as in a torchrun job) the plan runs in a child process.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(TrainingError) as info:
+            check_memory(cfg, DistInfo(), 20_000, device_memory=plan.peak)  # 10 % kept free
+    finally:
+        dist.destroy_process_group()
+    message = str(info.value)
+    assert "planned peak" in message and "train.memory_check=false" in message
+    batch = int(message.split("largest train.batch_size that fits is ")[1].split(" ")[0])
+    assert 1 <= batch < cfg.train.batch_size
+    limit = int(plan.peak * 0.9)
+    assert plan_rank(with_batch(cfg, batch), 20_000, 1, 0, detailed=False).peak <= limit
+    assert plan_rank(with_batch(cfg, batch + 1), 20_000, 1, 0, detailed=False).peak > limit
+
+
+def test_cpu_runs_skip_the_memory_check(tmp_path, monkeypatch):
+    from recognition.training import plan as plan_module
+    from recognition.training.build import build
+    from tests.helpers import make_image_folder, tiny_config
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the memory check ran on a CPU run")
+
+    monkeypatch.setattr(plan_module, "check_memory", refuse)
+    cfg = tiny_config(make_image_folder(tmp_path / "data"), tmp_path / "run")
+    assert cfg.train.memory_check
+    run = build(cfg, DistInfo(), resuming=False)
+    assert run.head is not None
