@@ -296,3 +296,15 @@ def test_cpu_runs_skip_the_memory_check(tmp_path, monkeypatch):
     assert cfg.train.memory_check
     run = build(cfg, DistInfo(), resuming=False)
     assert run.head is not None
+
+
+@pytest.mark.parametrize(
+    "extra", [("head.kernel=triton",), ("model.pipeline_stages=2", "model.micro_batch_size=4")]
+)
+def test_memory_check_skips_what_it_cannot_plan(extra, caplog):
+    # A GPU run the planner refuses (the Triton head, a pipeline) trains unchecked, with a
+    # warning: the check must not stop a run it cannot judge.
+    cfg = tiny("head.chunk_size=4096", *extra)
+    with caplog.at_level("WARNING"):
+        check_memory(cfg, DistInfo(), 20_000, device_memory=1)  # would not fit anything
+    assert "memory check skipped: the run cannot be planned" in caplog.text

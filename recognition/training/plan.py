@@ -541,10 +541,17 @@ def check_memory(
     if device_memory is None:
         device_memory = torch.cuda.get_device_properties(dist_info.device).total_memory
     limit = int(device_memory * (1 - HEADROOM))
-    answer = None
+    answer: tuple[int, int | None] | str | None = None
     if dist_info.is_main:
-        answer = _peak_and_batch(cfg, dist_info.world_size, num_classes, limit)
-    peak, batch = distributed.broadcast_object(answer)  # type: ignore[misc]
+        try:
+            answer = _peak_and_batch(cfg, dist_info.world_size, num_classes, limit)
+        except Exception as exc:  # noqa: BLE001 - a check that cannot plan must not stop a run
+            answer = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    answer = distributed.broadcast_object(answer)
+    if isinstance(answer, str):
+        log.warning("memory check skipped: the run cannot be planned (%s)", answer)
+        return
+    peak, batch = answer
     if peak > limit:
         raise TrainingError(
             f"train.memory_check: the planned peak is {format_bytes(peak)} per GPU, the GPU "
