@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from recognition.heads import margin_softmax
+from recognition.heads import local_stats, margin_softmax
 from recognition.heads.margin_softmax import ShardedMarginSoftmax, shard_range
 from recognition.heads.margins import AMSoftmax, ArcFace, CombinedMargin, CosFace, SphereFace
 
@@ -369,7 +369,7 @@ def test_local_statistics_against_autograd(block_size, keep_logits, sampled):
     grad_target = torch.randn(7, generator=generator, dtype=torch.float64)
 
     inputs = [norm_embeddings.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
-    row_max, row_sumexp, target_cos = margin_softmax._LocalClassStats.apply(
+    row_max, row_sumexp, target_cos = local_stats.LocalClassStats.apply(
         *inputs, row_index, target_row, scale, block_size, keep_logits, torch.float64
     )
     torch.autograd.backward([row_sumexp, target_cos], [grad_sumexp, grad_target])

@@ -97,7 +97,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
@@ -105,6 +104,15 @@ from torch.distributed import ProcessGroup
 
 from recognition import distributed
 from recognition.heads import tuning
+from recognition.heads.local_stats import (
+    BLOCK_SIZE,
+    LocalClassStats,
+    add_target_rows_,
+    l2_normalize,
+    l2_normalize_backward,
+    norm_eps,
+    target_positions,
+)
 from recognition.heads.margins import Margin
 from recognition.sharded import mark_like, set_row_placement
 from recognition.tensor_memory import upper_bound
@@ -113,10 +121,6 @@ logger = logging.getLogger(__name__)
 
 KERNELS = ("auto", "triton", "torch")
 
-# F.normalize's default eps; raised to the dtype's smallest normal number in float16, where
-# 1e-12 rounds to zero and a zero row would divide 0 by 0.
-NORM_EPS = 1e-12
-
 INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 # Standard deviation of the class rows at initialisation (insightface's partial FC).
@@ -124,10 +128,6 @@ WEIGHT_INIT_STD = 0.01
 # Rows of the class matrix per initialisation block: every block is drawn from its own seeded
 # generator, so the matrix does not depend on how it is split over ranks.
 INIT_BLOCK_ROWS = 1 << 16
-
-# Classes per block when chunk_size is None: the logits are all kept, but the work (and its
-# temporaries, and the cache footprint) goes a block at a time.
-BLOCK_SIZE = 8192
 
 # Partial FC ranks classes by a 31-bit hash: products of two 31-bit numbers fit in int64.
 HASH_BITS = 31
@@ -154,164 +154,6 @@ def shard_range(num_classes: int, world_size: int, rank: int) -> tuple[int, int]
     count = base + (1 if rank < remainder else 0)
     start = rank * base + min(rank, remainder)
     return start, count
-
-
-def _l2_normalize(rows: Tensor) -> Tensor:
-    """Rows scaled to unit L2 norm; an all-zero row stays zero (no NaN)."""
-    eps = max(NORM_EPS, torch.finfo(rows.dtype).tiny)
-    return F.normalize(rows, p=2.0, dim=1, eps=eps)
-
-
-def _l2_normalize_backward(rows: Tensor, grad_normalized: Tensor) -> Tensor:
-    """Gradient w.r.t. `rows` of `_l2_normalize(rows)` given the gradient of its output."""
-    with torch.enable_grad():
-        rows = rows.detach().requires_grad_(True)
-        (grad_rows,) = torch.autograd.grad(_l2_normalize(rows), rows, grad_normalized)
-    return grad_rows
-
-
-class _LocalClassStats(torch.autograd.Function):
-    """Softmax statistics of the non-target logits of this rank's classes, and the target cosine.
-
-    Inputs: normalised embeddings (N, D) in the statistics dtype (float32 or float64); the raw
-    class rows `weight` (C_local, D); `row_index` (K,) sorted, the rows taking part (partial FC),
-    or None for all of them; `target_row` (N,), each row's target as a row of `weight`, -1
-    where another rank owns the label (an owned target always takes part); the scale s;
-    `block_size`, the classes handled at a time; `keep_logits`; the matmul dtype.
-
-    Returns (max, sum-exp, target cosine), each (N,) in the statistics dtype: the max and the
-    sum of exp(s*cos - max) over the taking-part classes other than the row's target (max
-    -inf and sum-exp 0 for a row with no such class), and the target's cosine (0 where not
-    owned), computed in the statistics dtype. The caller applies the margin to that cosine and
-    folds the target logit into the statistics with plain autograd.
-
-    The work runs `block_size` classes at a time, on transposed blocks (c, N) so that a block
-    is contiguous. Class rows are never normalised into a copy: a block's logits are
-    (rows @ embeddings^T) scaled row by row by s / |row|, and backward applies the
-    normalisation's derivative per block. With `keep_logits` (chunk_size None) the forward
-    keeps exp(logit - max) of every class, (K, N), for backward: memory O(N x K), nothing
-    recomputed. Without, forward runs an online softmax (a running max, a running sum-exp
-    rescaled whenever the max grows) and backward recomputes each block: memory O(N x c).
-    Either way the only weight-sized tensor created is the weight's gradient, which this one
-    function writes whole (the target rows' share added in place).
-    """
-
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        norm_embeddings: Tensor,
-        weight: Tensor,
-        row_index: Tensor | None,
-        target_row: Tensor,
-        scale: float,
-        block_size: int,
-        keep_logits: bool,
-        matmul_dtype: torch.dtype,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        # Every cast below is explicit: autocast would cast differently here (under autocast)
-        # and in the recomputation of backward (outside it).
-        with torch.autocast(norm_embeddings.device.type, enabled=False):
-            stats_dtype = norm_embeddings.dtype
-            owned = target_row >= 0
-            target_rows = _l2_normalize(weight[target_row.clamp(min=0)].to(stats_dtype))  # (N, D)
-            target_cos = torch.where(owned, (norm_embeddings * target_rows).sum(dim=1), 0.0)
-            target_pos = _target_positions(row_index, target_row, owned)
-
-            mm_embeddings = norm_embeddings.to(matmul_dtype)
-            num_rows = norm_embeddings.shape[0]
-            num_taking_part = weight.shape[0] if row_index is None else row_index.shape[0]
-            row_max = norm_embeddings.new_full((num_rows,), -math.inf)
-            row_sumexp = norm_embeddings.new_zeros((num_rows,))
-            kept = norm_embeddings.new_empty((num_taking_part, num_rows)) if keep_logits else None
-            for start in range(0, num_taking_part, block_size):
-                stop = min(start + block_size, num_taking_part)
-                rows = _block_rows(weight, row_index, start, stop)
-                out = None if kept is None else kept[start:stop]
-                logits_t = _block_logits(rows, mm_embeddings, target_pos, start, scale, out)
-                new_max = torch.maximum(row_max, logits_t.amax(dim=0))
-                if kept is None:
-                    shift = _finite_or_zero(new_max)
-                    # exp(-inf - finite) = 0 clears the empty sum of the first block.
-                    row_sumexp = row_sumexp * torch.exp(row_max - shift)
-                    row_sumexp = row_sumexp + logits_t.sub_(shift).exp_().sum(dim=0)
-                row_max = new_max
-            if kept is not None:
-                row_sumexp = kept.sub_(_finite_or_zero(row_max)).exp_().sum(dim=0)
-        ctx.save_for_backward(
-            norm_embeddings, weight, row_index, target_row, target_rows, target_pos, row_max, kept
-        )
-        ctx.scale, ctx.block_size, ctx.matmul_dtype = scale, block_size, matmul_dtype
-        ctx.mark_non_differentiable(row_max)
-        return row_max, row_sumexp, target_cos
-
-    @staticmethod
-    @once_differentiable
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx,
-        grad_max: Tensor,
-        grad_sumexp: Tensor,
-        grad_target_cos: Tensor,
-    ) -> tuple[Tensor | None, Tensor | None, None, None, None, None, None, None]:
-        del grad_max  # the max only shifts exp() into range: a constant (see forward)
-        (norm_embeddings, weight, row_index, target_row, target_rows, target_pos, row_max, kept) = (
-            ctx.saved_tensors
-        )
-        stats_dtype, matmul_dtype = norm_embeddings.dtype, ctx.matmul_dtype
-        shift = _finite_or_zero(row_max)
-        mm_embeddings = norm_embeddings.to(matmul_dtype)
-        want_weight = ctx.needs_input_grad[1]
-        num_taking_part = weight.shape[0] if row_index is None else row_index.shape[0]
-        # d sum-exp_i / d logit_ji = exp(logit_ji - max_i); d logit_ji / d cos_ji = s.
-        grad_scale = grad_sumexp * ctx.scale  # (N,)
-        # Summed over blocks, so accumulated in the statistics dtype even for half matmuls.
-        grad_embeddings = torch.zeros_like(norm_embeddings)
-        grad_weight = None
-        if want_weight:  # rows that do not take part get a zero gradient
-            grad_weight = (
-                torch.empty_like(weight) if row_index is None else torch.zeros_like(weight)
-            )
-        for start in range(0, num_taking_part, ctx.block_size):
-            stop = min(start + ctx.block_size, num_taking_part)
-            rows = _block_rows(weight, row_index, start, stop)  # (c, D)
-            if kept is None:
-                logits_t = _block_logits(rows, mm_embeddings, target_pos, start, ctx.scale)
-                grad_cos_t = logits_t.sub_(shift).exp_().mul_(grad_scale)  # (c, N)
-            else:  # masked target entries hold exp(-inf) = 0: no gradient through them
-                grad_cos_t = kept[start:stop] * grad_scale
-            # cos_ji = <rows_j, e_i> / |rows_j|: fold 1/|rows_j| into the gradient first.
-            inv_norm = 1.0 / _row_norms(rows, stats_dtype).clamp_min(_norm_eps(rows.dtype))
-            grad_raw_t = grad_cos_t.mul_(inv_norm[:, None]).to(matmul_dtype)  # (c, N)
-            grad_embeddings += (grad_raw_t.T @ rows.to(matmul_dtype)).to(stats_dtype)
-            if want_weight:
-                grad_rows = (grad_raw_t @ mm_embeddings).to(stats_dtype)  # (c, D)
-                grad_rows = _remove_radial_part(grad_rows, rows, inv_norm)
-                if row_index is None:
-                    grad_weight[start:stop] = grad_rows
-                else:
-                    grad_weight.index_copy_(0, row_index[start:stop], grad_rows.to(weight.dtype))
-
-        # The target cosine: cos_i = <e_i, normalize(w_t(i))>, computed in the stats dtype.
-        owned = target_row >= 0
-        grad_target = torch.where(owned, grad_target_cos, 0.0)[:, None]  # (N, 1)
-        grad_embeddings += grad_target * target_rows
-        if want_weight:
-            raw_rows = weight[target_row.clamp(min=0)].to(stats_dtype)
-            grad_rows = _l2_normalize_backward(raw_rows, grad_target * norm_embeddings)
-            _add_target_rows_(grad_weight, target_row, grad_rows)
-        return grad_embeddings, grad_weight, None, None, None, None, None, None
-
-
-def _add_target_rows_(grad_weight: Tensor, target_row: Tensor, grad_rows: Tensor) -> None:
-    """grad_weight[target_row[i]] += grad_rows[i] for the owned rows (target_row >= 0).
-
-    Without a boolean mask, whose count a GPU would read on the host: an unowned row adds
-    zeros to some row (row i mod C_local, so that they do not all queue on one row's
-    atomics), which changes nothing.
-    """
-    owned = target_row >= 0
-    spread = torch.arange(target_row.shape[0], device=target_row.device) % grad_weight.shape[0]
-    rows = torch.where(owned[:, None], grad_rows, 0.0).to(grad_weight.dtype)
-    grad_weight.index_add_(0, torch.where(owned, target_row, spread), rows)
 
 
 def _triton_kernels() -> ModuleType:
@@ -379,9 +221,9 @@ class _FusedSGD:
 
 
 class _TritonClassStats(torch.autograd.Function):
-    """`_LocalClassStats` (same inputs and outputs) on the fused Triton kernels.
+    """`LocalClassStats` (same inputs and outputs) on the fused Triton kernels.
 
-    Statistics in float32 only. The target cosine is computed as in `_LocalClassStats`; the
+    Statistics in float32 only. The target cosine is computed as in `LocalClassStats`; the
     non-target statistics and their gradient come from the kernels, launched with `tiles`
     (a TileConfig, from `ShardedMarginSoftmax._triton_tiles`). With `fused` (a
     `_FusedSGD`), backward applies the SGD step to the taking-part rows of `weight` in place
@@ -405,10 +247,10 @@ class _TritonClassStats(torch.autograd.Function):
         with torch.autocast(norm_embeddings.device.type, enabled=False):
             norm_embeddings = norm_embeddings.contiguous()
             owned = target_row >= 0
-            target_rows = _l2_normalize(weight[target_row.clamp(min=0)].float())  # (N, D)
+            target_rows = l2_normalize(weight[target_row.clamp(min=0)].float())  # (N, D)
             target_cos = torch.where(owned, (norm_embeddings * target_rows).sum(dim=1), 0.0)
-            target_pos = _target_positions(row_index, target_row, owned)
-            inv_norm = kernels.inverse_norms(weight, row_index, _norm_eps(weight.dtype))  # (K,)
+            target_pos = target_positions(row_index, target_row, owned)
+            inv_norm = kernels.inverse_norms(weight, row_index, norm_eps(weight.dtype))  # (K,)
             row_max, row_sumexp = kernels.class_stats(
                 norm_embeddings, weight, row_index, inv_norm, target_pos, scale, matmul_dtype,
                 tiles,
@@ -429,20 +271,20 @@ class _TritonClassStats(torch.autograd.Function):
         grad_sumexp: Tensor,
         grad_target_cos: Tensor,
     ) -> tuple[Tensor | None, ...]:
-        del grad_max  # a constant shift (see _LocalClassStats)
+        del grad_max  # a constant shift (see LocalClassStats)
         kernels = _triton_kernels()
         (norm_embeddings, weight, row_index, target_row, target_rows, target_pos, inv_norm,
          row_max) = ctx.saved_tensors  # fmt: skip
         fused: _FusedSGD | None = ctx.fused
         want_weight = ctx.needs_input_grad[1] or fused is not None
         owned = target_row >= 0
-        # The target cosine's share, as _LocalClassStats computes it; before the kernels,
+        # The target cosine's share, as LocalClassStats computes it; before the kernels,
         # since a fused update overwrites the weight.
         grad_target = torch.where(owned, grad_target_cos, 0.0)[:, None]  # (N, 1)
         target_grad_rows = None
         if want_weight:
             raw_rows = weight[target_row.clamp(min=0)].float()
-            target_grad_rows = _l2_normalize_backward(raw_rows, grad_target * norm_embeddings)
+            target_grad_rows = l2_normalize_backward(raw_rows, grad_target * norm_embeddings)
         target_grad = None
         if fused is not None:  # one summed gradient per distinct target row
             rows, inverse = torch.unique(target_row[owned], return_inverse=True)
@@ -453,98 +295,12 @@ class _TritonClassStats(torch.autograd.Function):
             ctx.scale, ctx.matmul_dtype, ctx.tiles, want_weight=want_weight,
             target_grad=target_grad,
             sgd=fused.update(kernels) if fused is not None else None,
-            norm_limit=1.0 / _norm_eps(weight.dtype),
+            norm_limit=1.0 / norm_eps(weight.dtype),
         )  # fmt: skip
         grad_embeddings += grad_target * target_rows
         if grad_weight is not None:
-            _add_target_rows_(grad_weight, target_row, target_grad_rows)
+            add_target_rows_(grad_weight, target_row, target_grad_rows)
         return grad_embeddings, grad_weight, None, None, None, None, None, None
-
-
-def _norm_eps(dtype: torch.dtype) -> float:
-    return max(NORM_EPS, torch.finfo(dtype).tiny)
-
-
-def _row_norms(rows: Tensor, dtype: torch.dtype) -> Tensor:
-    """L2 norm (c,) of each row, accumulated in `dtype`."""
-    return torch.linalg.vector_norm(rows, dim=1, dtype=dtype)
-
-
-def _remove_radial_part(grad_rows: Tensor, rows: Tensor, inv_norm: Tensor) -> Tensor:
-    """The derivative of normalisation, given grad_rows = (d loss / d normalised row) / |row|.
-
-    d loss / d row = (g - y <y, g>) / |row| with y = row / |row|; `grad_rows` already holds
-    g / |row|, so this subtracts row <row, grad_rows> / |row|^2 in place. A row shorter than
-    the eps (F.normalize divides it by the eps instead of its norm) keeps grad_rows as is.
-    """
-    norms_known = inv_norm < 1.0 / _norm_eps(rows.dtype)
-    rows = rows.to(grad_rows.dtype)
-    # Row-wise dot products and the update without a (c, D) temporary.
-    dots = torch.bmm(rows[:, None, :], grad_rows[:, :, None]).view(-1)  # (c,)
-    coefficient = torch.where(norms_known, dots * inv_norm**2, 0.0)
-    return grad_rows.addcmul_(rows, coefficient[:, None], value=-1.0)
-
-
-def _target_positions(row_index: Tensor | None, target_row: Tensor, owned: Tensor) -> Tensor:
-    """Each row's target as a position among the taking-part classes (N,), -1 if not owned."""
-    if row_index is None:
-        return target_row
-    # Positives always take part, so an owned target is found in the sorted row_index.
-    return torch.where(owned, torch.searchsorted(row_index, target_row.clamp(min=0)), -1)
-
-
-def _block_rows(weight: Tensor, row_index: Tensor | None, start: int, stop: int) -> Tensor:
-    """The raw class rows of taking-part positions [start, stop): a view, or a gathered copy."""
-    if row_index is None:
-        return weight[start:stop]
-    return weight.index_select(0, row_index[start:stop])
-
-
-def _block_logits(
-    rows: Tensor,
-    mm_embeddings: Tensor,
-    target_pos: Tensor,
-    start: int,
-    scale: float,
-    out: Tensor | None = None,
-) -> Tensor:
-    """s * cos (c, N) of class rows `rows` (c, D) against every embedding, targets set to -inf.
-
-    The matmul runs in mm_embeddings' dtype on the raw rows; the result, in the dtype of the
-    statistics (of `out` when given, which receives it), is scaled row by row by s / |row|.
-    """
-    stats_dtype = (
-        out.dtype if out is not None else torch.promote_types(mm_embeddings.dtype, torch.float32)
-    )
-    mm_rows = rows.to(mm_embeddings.dtype)
-    if out is not None and mm_rows.dtype == out.dtype:
-        logits_t = torch.mm(mm_rows, mm_embeddings.T, out=out)
-    elif out is not None:
-        logits_t = out.copy_(mm_rows @ mm_embeddings.T)
-    else:
-        logits_t = (mm_rows @ mm_embeddings.T).to(stats_dtype)
-    norms = _row_norms(rows, logits_t.dtype).clamp_min(_norm_eps(rows.dtype))
-    logits_t.mul_((scale / norms)[:, None])
-    _mask_targets_(logits_t, target_pos, start)
-    return logits_t
-
-
-def _mask_targets_(logits_t: Tensor, target_pos: Tensor, start: int) -> None:
-    """Set each row's target entry of the block (c, N) to -inf in place, if it lies in the block.
-
-    Works on N entries (gather, where, scatter) rather than a (c, N) mask, and never asks the
-    host which rows match, so there is no device synchronisation per block.
-    """
-    offset = target_pos - start  # (N,)
-    inside = (offset >= 0) & (offset < logits_t.shape[0])
-    index = offset.clamp(0, logits_t.shape[0] - 1)[None, :]  # (1, N)
-    current = logits_t.gather(0, index)
-    logits_t.scatter_(0, index, torch.where(inside[None, :], -math.inf, current))
-
-
-def _finite_or_zero(row_max: Tensor) -> Tensor:
-    # A row whose every entry so far is masked has max -inf; -inf - -inf would be NaN.
-    return torch.where(torch.isfinite(row_max), row_max, 0.0)
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -858,7 +614,7 @@ class ShardedMarginSoftmax(nn.Module):
                 with torch.enable_grad():
                     if path == "torch":
                         keep = self.chunk_size is None
-                        outputs = _LocalClassStats.apply(
+                        outputs = LocalClassStats.apply(
                             embeddings, weight, row_index, target_row, scale,
                             BLOCK_SIZE if keep else self.chunk_size, keep, matmul_dtype,
                         )  # fmt: skip
@@ -945,7 +701,7 @@ class ShardedMarginSoftmax(nn.Module):
             local_embeddings = _ScaleGradient.apply(local_embeddings, float(self.world_size))
         embeddings = distributed.all_gather_autograd(local_embeddings, self.group)  # (N, D)
         labels = distributed.all_gather_tensor(local_labels, self.group)  # (N,)
-        norm_embeddings = _l2_normalize(embeddings)  # (N, D), compute dtype
+        norm_embeddings = l2_normalize(embeddings)  # (N, D), compute dtype
 
         # ---- which rows' labels this rank owns, and (partial FC) which classes take part.
         local_target = labels - self.class_start
@@ -976,7 +732,7 @@ class ShardedMarginSoftmax(nn.Module):
             )
         else:
             keep_logits = self.chunk_size is None
-            nontarget_max, nontarget_sumexp, target_cos = _LocalClassStats.apply(
+            nontarget_max, nontarget_sumexp, target_cos = LocalClassStats.apply(
                 norm_embeddings, self.weight, row_index, target_row, scale,
                 BLOCK_SIZE if keep_logits else self.chunk_size, keep_logits, matmul_dtype,
             )  # fmt: skip

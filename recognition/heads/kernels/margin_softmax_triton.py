@@ -1,6 +1,6 @@
 """Triton kernels for the local part of the sharded margin softmax, and their host wrappers.
 
-What they compute is what `_LocalClassStats` in margin_softmax.py computes (that module
+What they compute is what `LocalClassStats` in local_stats.py computes (that module
 stays the reference): over the classes of this rank that take part (all of them, or the
 partial-FC rows `row_index`), the max and sum-exp of the non-target logits s * <w_j, e_i> /
 |w_j| of every row i of the global batch, and in backward the gradients of the sum-exp with
@@ -31,7 +31,7 @@ needs a cross-program reduction of a class-sized tensor:
 - `_grad_weight_kernel`, grid (class tiles,): the gradient of a tile of class rows,
   (D_PAD, BLOCK_C) summed in registers over every row block (transposed, so that the long
   side fills the matmul's M however narrow the tile), the normalisation's radial part
-  removed as `_remove_radial_part` does (with <w, g> summed from the tile's dot products, so
+  removed as `local_stats.remove_radial_part` does (with <w, g> summed from the tile's dot products, so
   without the whole rows), written to the weight gradient (the taking-part rows), or, with
   a fused SGD update, applied to the rows at once (weight decay, momentum, Nesterov, lr as
   torch.optim.SGD does, dampening 0) so that no weight-sized gradient ever exists. Its
