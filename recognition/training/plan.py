@@ -40,6 +40,7 @@ from recognition.config import ExperimentConfig
 from recognition.distributed import DistInfo
 from recognition.heads import shard_range
 from recognition.optim import init_state
+from recognition.pipeline import PipelineLayout, StagePlan, make_layout, stage_plan
 from recognition.tensor_memory import CUDA_BLOCK_BYTES, TensorMemory, upper_bound
 from recognition.training.build import ModelParts, build_model
 from recognition.training.roofline import StepCost
@@ -152,10 +153,11 @@ def plan_rank(
         # fake kernel stops the plan rather than run for real on real copies of its inputs
         # (the memory the plan must not take).
         fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_fallback_kernels=False)
+        layout, stages = _pipeline(cfg, dist_info)
         with fake_mode, memory, _scaler_updates_as_on_gpu():
-            parts = _build(cfg, dist_info, num_classes)
+            parts = _build(cfg, dist_info, num_classes, layout, stages)
             breakdown.watch(parts)
-            micro_batches = _fake_batch(cfg)
+            micro_batches = _fake_batch(cfg, layout)
             init_state(parts.optimizer)
             memory.reset_peak()
             breakdown.start_step()
@@ -267,24 +269,41 @@ def _module_flops(counter: FlopCounterMode, module_name: str) -> int:
     return int(sum(sum(ops.values()) for name, ops in counts.items() if name == module_name))
 
 
-def _build(cfg: ExperimentConfig, dist_info: DistInfo, num_classes: int) -> ModelParts:
+def _pipeline(
+    cfg: ExperimentConfig, dist_info: DistInfo
+) -> tuple[PipelineLayout | None, StagePlan | None]:
+    """The pipeline's mesh and the cut of its backbone (model.pipeline_stages > 1; else
+    None, None), made before the fake tensors: the mesh reads its ranks on the host, and
+    the meta device builds no backbone under FakeTensorMode."""
+    stages = cfg.model.pipeline_stages
+    if stages == 1:
+        return None, None
+    layout = make_layout(stages, dist_info)
+    return layout, stage_plan(cfg.model, cfg.data.image_hw, stages)
+
+
+def _build(
+    cfg: ExperimentConfig,
+    dist_info: DistInfo,
+    num_classes: int,
+    layout: PipelineLayout | None,
+    stages: StagePlan | None,
+) -> ModelParts:
     """The rank's parts as training builds them, data-parallel wrappers made by
-    `_DataParallelMemory` (DDP itself cannot wrap fake tensors)."""
+    `_DataParallelMemory` (DDP itself cannot wrap fake tensors), a pipeline stage's
+    micro-batch shapes found on this rank (`pipeline.local_stage_io`: the other stages,
+    which training asks, are not there)."""
     if cfg.head.kernel == "triton" or cfg.head.fused_update:
         raise PlanError(
             "head.kernel=triton: the Triton kernels cannot run on fake tensors; plan with "
             "head.kernel=torch and a head.chunk_size (the kernel's memory is at most that "
             "of the chunked torch path)"
         )
-    if cfg.model.pipeline_stages > 1:
-        raise PlanError(
-            "model.pipeline_stages > 1 cannot be planned yet: the stages learn their input "
-            "shapes from each other through collectives (pipeline.stage_io), which a fake "
-            "process group cannot carry; plan model.pipeline_stages=1 for the head's memory"
-        )
     # Parameters in the contiguous format: a channels-last copy has the same bytes, and
     # Module.to cannot convert fake parameters. The batch keeps the run's format.
-    return build_model(cfg, dist_info, num_classes, None, torch.preserve_format, wrap=_wrap)
+    return build_model(
+        cfg, dist_info, num_classes, layout, torch.preserve_format, wrap=_wrap, local_plan=stages
+    )
 
 
 def _wrap(cfg: ExperimentConfig, dist_info: DistInfo, module: nn.Module) -> nn.Module:
@@ -309,14 +328,20 @@ class _DataParallelMemory(nn.Module):
         return self.module(*args, **kwargs)
 
 
-def _fake_batch(cfg: ExperimentConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _fake_batch(
+    cfg: ExperimentConfig, layout: PipelineLayout | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The step's micro-batches as the loop hands them over: float images (B, 3, H, W) in
-    the run's memory format, and int64 labels."""
+    the run's memory format (an empty image batch on a pipeline's later stages, which read
+    the labels alone), and int64 labels."""
     batch = cfg.train.batch_size
     memory_format = torch.channels_last if cfg.data.channels_last else torch.contiguous_format
+    images = (
+        (batch, 3, *cfg.data.image_hw) if layout is None or layout.is_first else (batch, 0, 0, 0)
+    )
     return [
         (
-            torch.empty(batch, 3, *cfg.data.image_hw).contiguous(memory_format=memory_format),
+            torch.empty(images).contiguous(memory_format=memory_format),
             torch.zeros(batch, dtype=torch.int64),
         )
         for _ in range(cfg.train.accumulate_steps)
