@@ -11,6 +11,8 @@ kernels' own buffers included. The test and `benchmarks/plan.py` compare it with
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -27,6 +29,10 @@ def measure_rank(
     (collective when a process group exists), counting everything allocated since the
     parts were built."""
     torch.manual_seed(cfg.seed + dist_info.rank)
+    # What earlier work left in reference cycles is freed now, not by a collection in the
+    # middle of the profile: freeing a block allocated under an earlier profile would count
+    # against this one's bytes.
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         layout = None
         if cfg.model.pipeline_stages > 1:
