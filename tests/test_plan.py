@@ -3,10 +3,12 @@
 Reality: the CPU allocator's peak of the same step on real tensors (torch.profiler's
 memory events, `plan_check.measure_rank`), on one process and on two gloo ranks, for six
 configurations (O0 and O2 bf16, chunked and unchunked head, 10k-100k classes,
-accumulation 1 and 2, partial FC); the plan must be within 5 % of it on every rank. Formulas: the
-persistent parts (parameters, class rows, fp32 masters, optimizer state) in closed form.
-Then the search for the largest batch / class count, the command line, and the GPU
-pre-flight check with a stubbed GPU memory.
+accumulation 1 and 2, partial FC), and for two-stage pipelines on two gloo ranks (1F1B and
+GPipe, O0 and O2 bf16, with the stage shapes the planner finds alone against those the
+ranks pass each other); the plan must be within 5 % of it on every rank. Formulas: the
+persistent parts (parameters, class rows, fp32 masters, optimizer state) in closed form,
+and the DDP buckets that replicated stages add. Then the search for the largest batch /
+class count, the command line, and the GPU pre-flight check with a stubbed GPU memory.
 """
 
 from __future__ import annotations
@@ -170,6 +172,8 @@ def _measure_pipelines(rank: int, port: int, out: str, cases: list) -> None:
                 "peak": measure_rank(cfg, classes, info),
                 **_io_of_two_ranks(cfg, classes, info),
             }
+        # O3: half weights without autocast, where the cut's dtype comes from the weights.
+        results["O3"] = _io_of_two_ranks(tiny(*PIPELINE, "precision.level=O3"), 1000, info)
     except Exception:
         results["error"] = traceback.format_exc()
     finally:
@@ -196,9 +200,12 @@ def test_pipelined_plan_matches_the_allocator_on_two_ranks(tmp_path):
             assert plan.stage == rank and (plan.num_local_classes > 0) == (rank == 1)
             assert_close(plan, measured[name]["peak"], f"{name}, stage {rank} of 2")
             planned[name, rank] = plan.peak
-    # The activation cut: stage 0 sends (2, 16, 8, 8) maps, in bf16 under O2.
-    o2 = json.loads((tmp_path / "rank1.json").read_text())["GPipe O2 bf16"]["learned"]
-    assert o2[0] == [[2, 16, 8, 8], "torch.bfloat16", True]
+    # The activation cut: stage 0 sends (2, 16, 8, 8) maps, in bf16 under O2 and O3.
+    last = json.loads((tmp_path / "rank1.json").read_text())
+    assert last["GPipe O2 bf16"]["learned"][0] == [[2, 16, 8, 8], "torch.bfloat16", True]
+    for rank in range(2):
+        o3 = json.loads((tmp_path / f"rank{rank}.json").read_text())["O3"]
+        assert o3["local"] == o3["learned"] and o3["learned"][1][1] == "torch.bfloat16"
     # GPipe holds all 8 micro-batches' activations on the first stage, 1F1B at most 2.
     assert planned["GPipe O0", 0] > 2.5 * planned["1F1B O0", 0]
 
