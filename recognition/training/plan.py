@@ -13,13 +13,27 @@ before the step (`init_state`), so the peak is the one of every later step.
 Every rank whose shard of the classes (or pipeline stage) differs is planned: without a
 pipeline, rank 0 (the largest shard) and the last rank when the classes do not divide.
 
+Pipelines (`model.pipeline_stages` = P > 1, W = P x replicas): one rank per stage (the
+first replica's; the last stage's holds the largest shard of the head, which is sharded
+over that stage's replicas) and the last rank when the shards differ. Each is built as
+training builds it (`build_model`: its stage, the head on the last stage, torch's
+`PipelineStage` and GPipe or 1F1B schedule) and its step runs the real schedule: the
+point-to-point sends and receives return at once on the fake group, the receive buffers
+are fake tensors allocated as on the GPU, so the micro-batches' activations a stage holds
+(GPipe: all m of them; 1F1B: at most as many as stages) are the schedule's own. What
+training learns from the other stages through collectives, the stage's micro-batch input
+and output (`pipeline.stage_io`), the plan finds on its rank (`pipeline.local_stage_io`:
+the units before the stage run on fake tensors under the run's precision). The mesh and
+the cut of the backbone are made before the fake tensors.
+
 What the plan leaves out: memory that kernels take behind the dispatcher (cuDNN
 workspaces), the CUDA context (outside the allocator), allocator fragmentation (hence the
 headroom kept free), `train.compile` (planned eager). Data-dependent sizes (the rows of
 the batch whose label a rank owns, partial FC's positives and the rows its optimizer
 steps) are planned at their largest. DDP's gradient buckets (a flat copy of the
-backbone's gradients) are allocated as DDP does. Not planned yet (refused with the
-reason): pipelines, the Triton head.
+backbone's or stage's gradients) are allocated as DDP does. Not planned yet (refused with
+the reason): the Triton head. The step-time bound of a pipeline's rank is that of its own
+stage's work, without the schedule's bubble.
 """
 
 from __future__ import annotations
