@@ -1,6 +1,6 @@
 """The run planner against the CPU allocator: planned and measured peak of a step, per rank.
 
-    python -m benchmarks.plan                       # the default grid (about 10 min, 2 cores)
+    python -m benchmarks.plan                       # the default grid (2-3 min on 2 cores)
     python -m benchmarks.plan --json plan.json      # also write every measurement
     python -m benchmarks.plan --cases 0 3           # a few cases of the grid
 
