@@ -508,6 +508,9 @@ def _build_pipeline(
             group=layout.dp_group,
         )
     precision.prepare(*([stage] if head is None else [stage, head]))
+    find_io = stage_io  # the stages pass their shapes on; the run planner's find their own
+    if local_plan is not None:
+        find_io = partial(local_stage_io, cfg.model, image_hw, plan)
     model, step = build_pipeline_step(
         stage,
         layout,
@@ -519,9 +522,7 @@ def _build_pipeline(
         schedule=cfg.model.pipeline_schedule,
         num_micro=cfg.micro_batches,
         memory_format=memory_format,
-        find_io=stage_io
-        if local_plan is None
-        else partial(local_stage_io, cfg.model, image_hw, plan),
+        find_io=find_io,
         wrap=None if wrap is None else partial(wrap, cfg, dist_info),
     )
     # The whole model's optimizer order, which a checkpoint's optimizer state is keyed by;
