@@ -239,6 +239,7 @@ def test_plan_of_a_pipeline_prints_each_stage(capsys):
     args = ["--plan", "--gpus", "4", "--gpu-memory", "0.0075", "--classes", "20001", *overrides]
     assert train.main(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()
+    assert "batch 16 per replica (2 stages, 4 micro-batches of 4, 1f1b)" in lines[0]
     assert lines[1].split() == ["rank", "0", "(stage", "0)", "rank", "1", "(stage", "1)",
                                 "rank", "3", "(stage", "1)"]  # fmt: skip
     classes = next(line for line in lines if line.startswith("classes on the rank")).split()[-3:]

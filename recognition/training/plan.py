@@ -109,6 +109,9 @@ class RunPlan:
     batch_size: int
     precision: str
     ranks: list[RankPlan]
+    pipeline: str | None = None
+    """With a pipeline, its stages and micro-batches in words ("2 stages, 4 micro-batches
+    of 32, 1f1b"); None without one."""
 
     @property
     def worst(self) -> RankPlan:
@@ -464,6 +467,17 @@ def plan_run(
         batch_size=cfg.train.batch_size,
         precision=_precision_name(cfg),
         ranks=ranks,
+        pipeline=_pipeline_name(cfg),
+    )
+
+
+def _pipeline_name(cfg: ExperimentConfig) -> str | None:
+    model, micro = cfg.model, cfg.micro_batches
+    if model.pipeline_stages == 1:
+        return None
+    return (
+        f"{model.pipeline_stages} stages, {micro} micro-batches of "
+        f"{cfg.train.batch_size // micro}, {model.pipeline_schedule}"
     )
 
 

@@ -98,9 +98,10 @@ def format_plan(plan: RunPlan) -> str:
         rows.append((f"step time >= ({name})", cells))
     width = max(len(label) for label, _ in rows)
     col = max(16, *(len(h) for h in heads), *(len(c) for _, cells in rows for c in cells))
+    per = "GPU" if plan.pipeline is None else f"replica ({plan.pipeline})"
     lines = [
         f"plan: {plan.config_name}, {plan.world_size} GPUs, {plan.num_classes:,} classes, "
-        f"batch {plan.batch_size} per GPU, {plan.precision}",
+        f"batch {plan.batch_size} per {per}, {plan.precision}",
         " " * width + "".join(h.rjust(col + 2) for h in heads),
     ]
     lines += [
