@@ -1,16 +1,17 @@
 """The run planner against the CPU allocator: planned and measured peak of a step, per rank.
 
-    python -m benchmarks.plan                       # the default grid (about 10 min, 2 cores)
+    python -m benchmarks.plan                       # the default grid (2-3 min on 2 cores)
     python -m benchmarks.plan --json plan.json      # also write every measurement
     python -m benchmarks.plan --cases 0 3           # a few cases of the grid
 
-For each case (world size, precision, head chunking, classes, accumulation) and each rank:
-the plan (`recognition.training.plan.plan_rank`, fake tensors, bytes as the CPU allocator
-counts them: granularity 1) and the measurement (`plan_check.measure_rank`: the same parts
-built on real tensors, real DDP over gloo for two ranks, the peak of the CPU allocator over
-the second of two steps, from torch.profiler's memory events). The plans run in this
-process (which holds no process group: the planner makes a fake one), the measurements in
-fresh processes, one per rank. Also the plan's wall time per case.
+For each case (world size, precision, head chunking, classes, accumulation, pipeline
+stages and schedule) and each rank: the plan (`recognition.training.plan.plan_rank`, fake
+tensors, bytes as the CPU allocator counts them: granularity 1) and the measurement
+(`plan_check.measure_rank`: the same parts built on real tensors, real DDP and pipelines
+over gloo for several ranks, the peak of the CPU allocator over the second of two steps,
+from torch.profiler's memory events). The plans run in this process (which holds no
+process group: the planner makes a fake one), the measurements in fresh processes, one
+per rank. Also the plan's wall time per case.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ BASE = [
     "eval.targets=[]",
 ]
 O2 = "precision.level=O2"
+PIPE = "model.pipeline_stages=2"
+GPIPE = "model.pipeline_schedule=gpipe"
 # (world size, classes, overrides): 10k to 1M classes, O0 / O1 / O2 bf16, whole shard and
 # chunked, accumulation 1 and 2, partial FC, one and two ranks (odd class counts: the
 # shards differ).
@@ -51,6 +54,13 @@ CASES = [
     (2, 100_001, ["head.chunk_size=8192", "train.accumulate_steps=2"]),
     (1, 1_000_000, [O2, "head.sample_rate=0.2", "head.chunk_size=16384"]),
     (2, 300_001, ["head.sample_rate=0.1", "train.accumulate_steps=2"]),
+    # Two pipeline stages (W = 2 x replicas): 8 micro-batches of 2 under 1F1B and GPipe,
+    # 4 of 4 under GPipe O2 bf16, and two replicas of each stage (DDP over a stage's
+    # replicas, the head sharded over the last stage's).
+    (2, 200_000, [PIPE, "model.micro_batch_size=2"]),
+    (2, 200_000, [PIPE, "model.micro_batch_size=2", GPIPE]),
+    (2, 300_000, [PIPE, "model.micro_batch_size=4", GPIPE, O2]),
+    (4, 1_000_001, [PIPE, "model.micro_batch_size=4", O2, "head.chunk_size=16384"]),
 ]
 
 
@@ -63,7 +73,11 @@ def describe(overrides: list[str]) -> str:
     rate = next((o.split("=")[1] for o in overrides if o.startswith("head.sample_rate")), None)
     precision = level if level == "O0" else f"{level} bf16"
     sampled = f", partial FC {rate}" if rate else ""
-    return f"{precision}, chunk {chunk or 'none'}, accumulate {accumulate}{sampled}"
+    piped = ""
+    if PIPE in overrides:
+        micro = next(o.split("=")[1] for o in overrides if o.startswith("model.micro_batch_size"))
+        piped = f", P 2 {'gpipe' if GPIPE in overrides else '1f1b'} micro {micro}"
+    return f"{precision}, chunk {chunk or 'none'}, accumulate {accumulate}{sampled}{piped}"
 
 
 def _measure(rank: int, world: int, port: int, out: str, classes: int, overrides: list) -> None:

@@ -224,22 +224,36 @@ class StagePlan:
         )
 
 
+def stage_plan(model_cfg: ModelConfig, image_hw: tuple[int, int], num_stages: int) -> StagePlan:
+    """How the backbone is cut into `num_stages` stages (`plan_stages`, as
+    `model.pipeline_split` says), counted on the meta device."""
+    whole, units, costs = _meta_unit_costs(model_cfg, image_hw)
+    ranges = plan_stages(units, costs, num_stages, model_cfg.pipeline_split)
+    return StagePlan(units, costs, ranges, whole)
+
+
 def build_stage_backbone(
-    model_cfg: ModelConfig, image_hw: tuple[int, int], layout: PipelineLayout, seed: int
+    model_cfg: ModelConfig,
+    image_hw: tuple[int, int],
+    layout: PipelineLayout,
+    seed: int,
+    plan: StagePlan | None = None,
 ) -> tuple[UnitChain, StagePlan]:
     """This rank's stage: the whole backbone drawn from `seed`, its other units removed.
 
-    Returns the stage (on the CPU) and the plan of every stage.
+    Returns the stage (on the CPU) and the plan of every stage. `plan`: the cut, when it
+    was made already (`stage_plan`; the run planner makes it before its fake tensors,
+    under which the meta device cannot build a backbone); None makes it here.
     """
-    whole, units, costs = _meta_unit_costs(model_cfg, image_hw)
-    ranges = plan_stages(units, costs, layout.num_stages, model_cfg.pipeline_split)
+    if plan is None:
+        plan = stage_plan(model_cfg, image_hw, layout.num_stages)
     # The same generator state on every rank: the stages are cut from one backbone.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         backbone = backbone_from_config(model_cfg, image_hw)
     assert isinstance(backbone, UnitChain)
-    backbone.keep_units(*ranges[layout.stage])
-    return backbone, StagePlan(units, costs, ranges, whole)
+    backbone.keep_units(*plan.ranges[layout.stage])
+    return backbone, plan
 
 
 def send_contiguous(
@@ -260,6 +274,9 @@ def send_contiguous(
         stage.register_forward_hook(lambda module, args, output: output.contiguous())
 
 
+ShapeDtype = tuple[tuple[int, ...], torch.dtype]
+
+
 def stage_io(
     stage: nn.Module,
     layout: PipelineLayout,
@@ -277,7 +294,7 @@ def stage_io(
     the previous one. Given to `PipelineStage`, these spare it torch's own
     shape inference, which would run the stages in training mode.
     """
-    shape_dtype: tuple[tuple[int, ...], torch.dtype] | None = None
+    shape_dtype: ShapeDtype | None = None
     if layout.is_first:
         assert input_meta is not None
         shape_dtype = (tuple(input_meta.shape), input_meta.dtype)
@@ -286,18 +303,33 @@ def stage_io(
         if layout.stage == s:
             mine_in = shape_dtype
             assert mine_in is not None
-            was_training = stage.training
-            stage.eval()
-            try:
-                with torch.no_grad(), precision.autocast():
-                    output = stage(torch.zeros(mine_in[0], dtype=mine_in[1], device=device))
-            finally:
-                stage.train(was_training)
-            mine_out = (tuple(output.shape), output.dtype)
-            shape_dtype = mine_out
+            mine_out = shape_dtype = _run_zeros(stage, mine_in, precision, device)
         source = dist.get_global_rank(layout.pp_group, s)
         shape_dtype = distributed.broadcast_object(shape_dtype, src=source, group=layout.pp_group)
     assert mine_in is not None and mine_out is not None
+    return _io_meta(layout, input_meta, mine_in, mine_out)
+
+
+def _run_zeros(
+    module: nn.Module, shape_dtype: ShapeDtype, precision: Precision, device: torch.device
+) -> ShapeDtype:
+    """The shape and dtype of `module`'s output for a zero input of `shape_dtype`, run in
+    eval mode (no BatchNorm statistic moves) under the run's precision."""
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad(), precision.autocast():
+            output = module(torch.zeros(shape_dtype[0], dtype=shape_dtype[1], device=device))
+    finally:
+        module.train(was_training)
+    return tuple(output.shape), output.dtype
+
+
+def _io_meta(
+    layout: PipelineLayout, input_meta: Tensor | None, mine_in: ShapeDtype, mine_out: ShapeDtype
+) -> tuple[Tensor, Tensor]:
+    """The (input, output) meta tensors `PipelineStage` is given, from their shapes and
+    dtypes."""
     # requires_grad marks what carries a gradient back: every activation between stages,
     # not the images. The first stage keeps `input_meta` as given: its strides (the images'
     # memory format) are checked against the micro-batches by some torch releases.
@@ -310,6 +342,39 @@ def stage_io(
         stage_input,
         torch.empty(mine_out[0], dtype=mine_out[1], device="meta").requires_grad_(),
     )
+
+
+def local_stage_io(
+    model_cfg: ModelConfig,
+    image_hw: tuple[int, int],
+    plan: StagePlan,
+    stage: nn.Module,
+    layout: PipelineLayout,
+    input_meta: Tensor,
+    precision: Precision,
+    device: torch.device,
+) -> tuple[Tensor, Tensor]:
+    """What `stage_io` returns on this rank, found without collectives: the units before
+    this rank's stage (of a whole backbone, cast as `precision` casts the stages, by a
+    Precision of the same level of its own) run the zero micro-batch `input_meta` in eval
+    mode under the run's precision, as the earlier stages would, and their output goes
+    through `stage` as in `stage_io`.
+
+    The run planner's: the ranks that pass the shapes on are not there to ask. It builds
+    the backbone before the stage on `device` and runs it, which costs nothing on fake
+    tensors.
+    """
+    first, _ = plan.ranges[layout.stage]
+    mine_in: ShapeDtype = (tuple(input_meta.shape), input_meta.dtype)
+    if first > 0:
+        with torch.device(device):
+            before = backbone_from_config(model_cfg, image_hw)
+        assert isinstance(before, UnitChain)
+        before.keep_units(0, first)
+        Precision(precision.level, precision.dtype, device).prepare(before)
+        mine_in = _run_zeros(before, mine_in, precision, device)
+    mine_out = _run_zeros(stage, mine_in, precision, device)
+    return _io_meta(layout, input_meta, mine_in, mine_out)
 
 
 class LabelsOnly(Dataset):
@@ -377,10 +442,12 @@ __all__: list[str] = [
     "build_stage_backbone",
     "StagePlan",
     "gather_backbone",
+    "local_stage_io",
     "make_layout",
     "plan_stages",
     "send_contiguous",
     "stage_io",
+    "stage_plan",
     "unit_costs",
     "wrap_stage",
 ]

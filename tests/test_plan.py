@@ -3,10 +3,12 @@
 Reality: the CPU allocator's peak of the same step on real tensors (torch.profiler's
 memory events, `plan_check.measure_rank`), on one process and on two gloo ranks, for six
 configurations (O0 and O2 bf16, chunked and unchunked head, 10k-100k classes,
-accumulation 1 and 2, partial FC); the plan must be within 5 % of it on every rank. Formulas: the
-persistent parts (parameters, class rows, fp32 masters, optimizer state) in closed form.
-Then the search for the largest batch / class count, the command line, and the GPU
-pre-flight check with a stubbed GPU memory.
+accumulation 1 and 2, partial FC), and for two-stage pipelines on two gloo ranks (1F1B and
+GPipe, O0 and O2 bf16, with the stage shapes the planner finds alone against those the
+ranks pass each other); the plan must be within 5 % of it on every rank. Formulas: the
+persistent parts (parameters, class rows, fp32 masters, optimizer state) in closed form,
+and the DDP buckets that replicated stages add. Then the search for the largest batch /
+class count, the command line, and the GPU pre-flight check with a stubbed GPU memory.
 """
 
 from __future__ import annotations
@@ -119,6 +121,138 @@ def test_plan_matches_the_allocator_on_two_ranks(tmp_path):
             assert distinct_ranks(cfg, 2, classes) == [0, 1]
             plan = plan_rank(cfg, classes, 2, rank, granularity=1)
             assert_close(plan, measured[name], f"{name}, rank {rank} of 2")
+
+
+# ---------------------------------------------------------------------- pipelines
+
+# Two stages on two ranks, 8 micro-batches of 2: GPipe holds the activations of all 8 on
+# the first stage, 1F1B of at most 2 (a third of GPipe's peak there).
+PIPELINE = ["model.pipeline_stages=2", "train.batch_size=16", "model.micro_batch_size=2"]
+GPIPE = "model.pipeline_schedule=gpipe"
+PIPELINE_CASES = [
+    ("1F1B O0", 20_000, PIPELINE),
+    ("GPipe O0", 20_000, [*PIPELINE, GPIPE]),
+    ("GPipe O2 bf16", 20_000, [*PIPELINE, GPIPE, O2, "head.chunk_size=4096"]),
+]
+
+
+def _io_of_two_ranks(cfg, classes: int, info: DistInfo) -> dict[str, list]:
+    """This rank's stage input and output as training learns them (`stage_io`, from the
+    other rank) and as the planner finds them alone (`local_stage_io`)."""
+    from recognition.pipeline import local_stage_io, make_layout, stage_plan
+    from recognition.training.build import build_model
+
+    layout = make_layout(2, info)
+    parts = build_model(cfg, info, classes, layout, torch.preserve_format)
+    micro = cfg.train.batch_size // cfg.micro_batches
+    images = parts.precision.cast_inputs(torch.empty(micro, 3, *cfg.data.image_hw, device="meta"))
+    plan = stage_plan(cfg.model, cfg.data.image_hw, 2)
+    local = local_stage_io(
+        cfg.model, cfg.data.image_hw, plan, parts.backbone, layout, images, parts.precision,
+        torch.device("cpu"),
+    )  # fmt: skip
+    learned = (parts.step.input_meta, parts.step.output_meta)
+    return {
+        name: [[list(t.shape), str(t.dtype), t.requires_grad] for t in pair]
+        for name, pair in (("learned", learned), ("local", local))
+    }
+
+
+def _measure_pipelines(rank: int, port: int, out: str, cases: list) -> None:
+    from recognition.training.plan_check import measure_rank
+    from tests.helpers import init_gloo_rank
+
+    results: dict[str, object] = {}
+    try:
+        init_gloo_rank(rank, 2, port)
+        info = DistInfo(rank=rank, world_size=2)
+        for name, classes, overrides in cases:
+            cfg = tiny(*overrides)
+            results[name] = {
+                "peak": measure_rank(cfg, classes, info),
+                **_io_of_two_ranks(cfg, classes, info),
+            }
+        # O3: half weights without autocast, where the cut's dtype comes from the weights.
+        results["O3"] = _io_of_two_ranks(tiny(*PIPELINE, "precision.level=O3"), 1000, info)
+    except Exception:
+        results["error"] = traceback.format_exc()
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+        os._exit(0)
+
+
+def test_pipelined_plan_matches_the_allocator_on_two_ranks(tmp_path):
+    """Each stage of a real two-stage pipeline over gloo (torch's schedules, point-to-point
+    sends) against its plan, and the stage shapes the planner finds alone against those
+    the ranks pass each other."""
+    from tests.helpers import free_port
+
+    cases = PIPELINE_CASES
+    mp.spawn(_measure_pipelines, args=(free_port(), str(tmp_path), cases), nprocs=2, join=True)
+    planned: dict[tuple[str, int], int] = {}
+    for rank in range(2):
+        measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "error" not in measured, measured.get("error")
+        for name, classes, overrides in cases:
+            cfg = tiny(*overrides)
+            assert measured[name]["local"] == measured[name]["learned"], (name, rank)
+            plan = plan_rank(cfg, classes, 2, rank, granularity=1)
+            assert plan.stage == rank and (plan.num_local_classes > 0) == (rank == 1)
+            assert_close(plan, measured[name]["peak"], f"{name}, stage {rank} of 2")
+            planned[name, rank] = plan.peak
+    # The activation cut: stage 0 sends (2, 16, 8, 8) maps, in bf16 under O2 and O3.
+    last = json.loads((tmp_path / "rank1.json").read_text())
+    assert last["GPipe O2 bf16"]["learned"][0] == [[2, 16, 8, 8], "torch.bfloat16", True]
+    for rank in range(2):
+        o3 = json.loads((tmp_path / f"rank{rank}.json").read_text())["O3"]
+        assert o3["local"] == o3["learned"] and o3["learned"][1][1] == "torch.bfloat16"
+    # GPipe holds all 8 micro-batches' activations on the first stage, 1F1B at most 2.
+    assert planned["GPipe O0", 0] > 2.5 * planned["1F1B O0", 0]
+
+
+def test_stage_replicas_add_ddp_buckets():
+    """Two replicas of each stage (W = 4, P = 2): the first stage's plan grows by DDP's
+    gradient buckets, one copy of the stage's trainable parameters, and by nothing else."""
+    from recognition.pipeline import stage_plan
+
+    cfg = tiny(*PIPELINE, O2)
+    alone, replicated = (plan_rank(cfg, 20_000, world, 0, granularity=1) for world in (2, 4))
+    with torch.device("meta"):
+        stage = backbone_from_config(cfg.model, cfg.data.image_hw)
+    stage.keep_units(*stage_plan(cfg.model, cfg.data.image_hw, 2).ranges[0])
+    half = [p for m in stage.modules() if not isinstance(m, nn.modules.batchnorm._BatchNorm)
+            for p in m.parameters(recurse=False) if p.requires_grad]  # fmt: skip
+    bn = [p for p in stage.parameters() if p.requires_grad and all(p is not h for h in half)]
+    buckets = _bytes(half, torch.bfloat16) + _bytes(bn, torch.float32)  # O2: BatchNorm fp32
+    assert buckets > 0
+    assert replicated.peak - alone.peak == buckets
+    assert replicated.parameters == alone.parameters
+
+
+def test_plan_of_a_pipeline_prints_each_stage(capsys):
+    """The command line on a pipelined config (4 GPUs: 2 stages x 2 replicas, an odd class
+    count): a column per stage and one for the last rank's smaller shard; the verdict's
+    batch is a multiple of the 4 micro-batches, fits on every rank, and the next does not."""
+    import train
+
+    overrides = [*TINY, "model.pipeline_stages=2", "head.chunk_size=4096", "train.batch_size=16"]
+    args = ["--plan", "--gpus", "4", "--gpu-memory", "0.0075", "--classes", "20001", *overrides]
+    assert train.main(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "batch 16 per replica (2 stages, 4 micro-batches of 4, 1f1b)" in lines[0]
+    assert lines[1].split() == ["rank", "0", "(stage", "0)", "rank", "1", "(stage", "1)",
+                                "rank", "3", "(stage", "1)"]  # fmt: skip
+    classes = next(line for line in lines if line.startswith("classes on the rank")).split()[-3:]
+    assert classes == ["0", "10,001", "10,000"]
+    verdict = lines[-1]
+    assert verdict.startswith(("fits", "does NOT fit")), verdict
+    batch = int(verdict.split("largest train.batch_size that fits: ")[1].split(";")[0])
+    assert batch % 4 == 0 and batch >= 8
+    cfg, limit = load_config("default", overrides), int(0.0075 * 2**30 * 0.9)
+    for size, fits in ((batch, True), (batch + 4, False)):
+        peaks = [plan_rank(with_batch(cfg, size), 20_001, 4, r, detailed=False).peak
+                 for r in (0, 1, 3)]  # fmt: skip
+        assert (max(peaks) <= limit) == fits, (size, peaks)
 
 
 # ---------------------------------------------------------------------- formulas
@@ -298,13 +432,19 @@ def test_cpu_runs_skip_the_memory_check(tmp_path, monkeypatch):
     assert run.head is not None
 
 
-@pytest.mark.parametrize(
-    "extra", [("head.kernel=triton",), ("model.pipeline_stages=2", "model.micro_batch_size=4")]
-)
-def test_memory_check_skips_what_it_cannot_plan(extra, caplog):
-    # A GPU run the planner refuses (the Triton head, a pipeline) trains unchecked, with a
-    # warning: the check must not stop a run it cannot judge.
-    cfg = tiny("head.chunk_size=4096", *extra)
+def test_memory_check_skips_what_it_cannot_plan(caplog):
+    # A GPU run the planner refuses (the Triton head) trains unchecked, with a warning: the
+    # check must not stop a run it cannot judge.
+    cfg = tiny("head.chunk_size=4096", "head.kernel=triton")
     with caplog.at_level("WARNING"):
         check_memory(cfg, DistInfo(), 20_000, device_memory=1)  # would not fit anything
     assert "memory check skipped: the run cannot be planned" in caplog.text
+
+
+def test_memory_check_plans_a_pipeline():
+    # 1F1B with micro-batches of 4 on 2 stages: the smallest batch that runs is 8, which
+    # the search for a batch that fits plans (a batch of 4 would stop the schedule).
+    cfg = tiny("head.chunk_size=4096", "model.pipeline_stages=2", "model.micro_batch_size=4")
+    with pytest.raises(TrainingError) as info:
+        check_memory(cfg, DistInfo(rank=0, world_size=2), 20_000, device_memory=1)
+    assert "the largest train.batch_size that fits is none" in str(info.value)

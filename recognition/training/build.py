@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -47,10 +48,13 @@ from recognition.optim import (
 from recognition.pipeline import (
     LabelsOnly,
     PipelineLayout,
+    StagePlan,
     build_stage_backbone,
     check_stages,
     gather_backbone,
+    local_stage_io,
     make_layout,
+    stage_io,
 )
 from recognition.precision import Precision, StepResult
 from recognition.training.pipeline_step import PipelineStep, build_pipeline_step
@@ -261,14 +265,18 @@ def build_model(
     memory_format: torch.memory_format,
     *,
     wrap: Wrapper | None = None,
+    local_plan: StagePlan | None = None,
 ) -> ModelParts:
     """This rank's model, head shard, precision and optimizer for `num_classes` classes.
 
     What `build` makes besides the data and the schedule, and what the run planner
-    (`recognition.training.plan`) makes under fake tensors. `wrap` wraps the backbone for
-    data parallelism (given the config, the rank and the module; not used with a pipeline,
-    whose stages pipeline.wrap_stage wraps); None: DistributedDataParallel (and
-    torch.compile), as training does.
+    (`recognition.training.plan`) makes under fake tensors. `wrap` wraps the backbone, or
+    a pipeline stage with several replicas, for data parallelism (given the config, the
+    rank and the module); None: DistributedDataParallel (and torch.compile), as training
+    does. `local_plan` (pipelines): the cut of the backbone made beforehand
+    (`pipeline.stage_plan`), the stage's micro-batch shapes then found on this rank
+    (`pipeline.local_stage_io`) rather than from the other stages; what the run planner
+    gives, whose other ranks are not there to ask. None: as training does.
     """
     precision = Precision(
         cfg.precision.level,
@@ -288,7 +296,7 @@ def build_model(
         param_ids = None
     else:
         backbone, head, model, step, param_ids = _build_pipeline(
-            cfg, dist_info, layout, num_classes, memory_format, precision
+            cfg, dist_info, layout, num_classes, memory_format, precision, wrap, local_plan
         )
     parts = [backbone] if head is None else [backbone, head]
     groups = param_groups(parts, cfg.optim.weight_decay)
@@ -463,12 +471,14 @@ def _build_pipeline(
     num_classes: int,
     memory_format: torch.memory_format,
     precision: Precision,
+    wrap: Wrapper | None,
+    local_plan: StagePlan | None,
 ) -> tuple[nn.Module, ShardedMarginSoftmax | None, nn.Module, PipelineStep, list[int]]:
     """This rank's stage, the head on the last stage's ranks (sharded over their
     data-parallel group), the stage as the schedule runs it, the step, and the optimizer's
-    parameter indices in the whole model's optimizer."""
+    parameter indices in the whole model's optimizer (`wrap`, `local_plan`: build_model)."""
     device, image_hw = dist_info.device, cfg.data.image_hw
-    stage, plan = build_stage_backbone(cfg.model, image_hw, layout, cfg.seed)
+    stage, plan = build_stage_backbone(cfg.model, image_hw, layout, cfg.seed, local_plan)
     if dist_info.is_main:
         log.info(
             "pipeline: %d stages x %d data-parallel replicas, %d micro-batches of %d (%s); %s",
@@ -498,6 +508,9 @@ def _build_pipeline(
             group=layout.dp_group,
         )
     precision.prepare(*([stage] if head is None else [stage, head]))
+    find_io = stage_io  # the stages pass their shapes on; the run planner's find their own
+    if local_plan is not None:
+        find_io = partial(local_stage_io, cfg.model, image_hw, plan)
     model, step = build_pipeline_step(
         stage,
         layout,
@@ -509,6 +522,8 @@ def _build_pipeline(
         schedule=cfg.model.pipeline_schedule,
         num_micro=cfg.micro_batches,
         memory_format=memory_format,
+        find_io=find_io,
+        wrap=None if wrap is None else partial(wrap, cfg, dist_info),
     )
     # The whole model's optimizer order, which a checkpoint's optimizer state is keyed by;
     # a bias-free Linear stands for the head there (one 2-D parameter called weight).

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +29,11 @@ from recognition.precision import Precision, StepResult
 from recognition.training.step import global_grad_norm
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# (stage, layout, first stage's micro-batch as a meta tensor, precision, device) ->
+# the stage's (input, output) meta tensors: `pipeline.stage_io`'s signature.
+StageIO = Callable[
+    [nn.Module, PipelineLayout, Tensor, Precision, torch.device], tuple[Tensor, Tensor]
+]
 
 
 class PipelineStep:
@@ -164,17 +169,25 @@ def build_pipeline_step(
     schedule: str,
     num_micro: int,
     memory_format: torch.memory_format = torch.preserve_format,
+    find_io: StageIO = stage_io,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
 ) -> tuple[nn.Module, PipelineStep]:
     """The stage as the schedule runs it (in DDP over its replicas) and the step.
 
-    Collective over the pipeline (the stages' micro-batch shapes are passed along). Call
-    after `precision.prepare` of the stage and the head, on the device.
+    Collective over the pipeline (the stages' micro-batch shapes are passed along by
+    `find_io`). Call after `precision.prepare` of the stage and the head, on the device.
+    The run planner replaces `find_io` (with `pipeline.local_stage_io`, which asks no
+    other rank) and `wrap`, the data-parallel wrapper of a stage with several replicas
+    (None: `wrap_stage`, DDP).
     """
     send_contiguous(stage, layout, memory_format)
     images = torch.empty(micro_batch_size, 3, *image_hw, device="meta")
     images = precision.cast_inputs(images).contiguous(memory_format=_images_format(memory_format))
-    input_meta, output_meta = stage_io(stage, layout, images, precision, device)
-    model = wrap_stage(stage, layout, device)
+    input_meta, output_meta = find_io(stage, layout, images, precision, device)
+    if wrap is None:
+        model = wrap_stage(stage, layout, device)
+    else:
+        model = wrap(stage) if layout.dp_size > 1 else stage
     step = PipelineStep(
         model,
         layout,

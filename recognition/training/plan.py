@@ -13,13 +13,27 @@ before the step (`init_state`), so the peak is the one of every later step.
 Every rank whose shard of the classes (or pipeline stage) differs is planned: without a
 pipeline, rank 0 (the largest shard) and the last rank when the classes do not divide.
 
+Pipelines (`model.pipeline_stages` = P > 1, W = P x replicas): one rank per stage (the
+first replica's; the last stage's holds the largest shard of the head, which is sharded
+over that stage's replicas) and the last rank when the shards differ. Each is built as
+training builds it (`build_model`: its stage, the head on the last stage, torch's
+`PipelineStage` and GPipe or 1F1B schedule) and its step runs the real schedule: the
+point-to-point sends and receives return at once on the fake group, the receive buffers
+are fake tensors allocated as on the GPU, so the micro-batches' activations a stage holds
+(GPipe: all m of them; 1F1B: at most as many as stages) are the schedule's own. What
+training learns from the other stages through collectives, the stage's micro-batch input
+and output (`pipeline.stage_io`), the plan finds on its rank (`pipeline.local_stage_io`:
+the units before the stage run on fake tensors under the run's precision). The mesh and
+the cut of the backbone are made before the fake tensors.
+
 What the plan leaves out: memory that kernels take behind the dispatcher (cuDNN
 workspaces), the CUDA context (outside the allocator), allocator fragmentation (hence the
 headroom kept free), `train.compile` (planned eager). Data-dependent sizes (the rows of
 the batch whose label a rank owns, partial FC's positives and the rows its optimizer
 steps) are planned at their largest. DDP's gradient buckets (a flat copy of the
-backbone's gradients) are allocated as DDP does. Not planned yet (refused with the
-reason): pipelines, the Triton head.
+backbone's or stage's gradients) are allocated as DDP does. Not planned yet (refused with
+the reason): the Triton head. The step-time bound of a pipeline's rank is that of its own
+stage's work, without the schedule's bubble.
 """
 
 from __future__ import annotations
@@ -40,6 +54,7 @@ from recognition.config import ExperimentConfig
 from recognition.distributed import DistInfo
 from recognition.heads import shard_range
 from recognition.optim import init_state
+from recognition.pipeline import PipelineLayout, StagePlan, make_layout, stage_plan
 from recognition.tensor_memory import CUDA_BLOCK_BYTES, TensorMemory, upper_bound
 from recognition.training.build import ModelParts, build_model
 from recognition.training.roofline import StepCost
@@ -94,6 +109,9 @@ class RunPlan:
     batch_size: int
     precision: str
     ranks: list[RankPlan]
+    pipeline: str | None = None
+    """With a pipeline, its stages and micro-batches in words ("2 stages, 4 micro-batches
+    of 32, 1f1b"); None without one."""
 
     @property
     def worst(self) -> RankPlan:
@@ -152,10 +170,11 @@ def plan_rank(
         # fake kernel stops the plan rather than run for real on real copies of its inputs
         # (the memory the plan must not take).
         fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_fallback_kernels=False)
+        layout, stages = _pipeline(cfg, dist_info)
         with fake_mode, memory, _scaler_updates_as_on_gpu():
-            parts = _build(cfg, dist_info, num_classes)
+            parts = _build(cfg, dist_info, num_classes, layout, stages)
             breakdown.watch(parts)
-            micro_batches = _fake_batch(cfg)
+            micro_batches = _fake_batch(cfg, layout)
             init_state(parts.optimizer)
             memory.reset_peak()
             breakdown.start_step()
@@ -267,24 +286,41 @@ def _module_flops(counter: FlopCounterMode, module_name: str) -> int:
     return int(sum(sum(ops.values()) for name, ops in counts.items() if name == module_name))
 
 
-def _build(cfg: ExperimentConfig, dist_info: DistInfo, num_classes: int) -> ModelParts:
+def _pipeline(
+    cfg: ExperimentConfig, dist_info: DistInfo
+) -> tuple[PipelineLayout | None, StagePlan | None]:
+    """The pipeline's mesh and the cut of its backbone (model.pipeline_stages > 1; else
+    None, None), made before the fake tensors: the mesh reads its ranks on the host, and
+    the meta device builds no backbone under FakeTensorMode."""
+    stages = cfg.model.pipeline_stages
+    if stages == 1:
+        return None, None
+    layout = make_layout(stages, dist_info)
+    return layout, stage_plan(cfg.model, cfg.data.image_hw, stages)
+
+
+def _build(
+    cfg: ExperimentConfig,
+    dist_info: DistInfo,
+    num_classes: int,
+    layout: PipelineLayout | None,
+    stages: StagePlan | None,
+) -> ModelParts:
     """The rank's parts as training builds them, data-parallel wrappers made by
-    `_DataParallelMemory` (DDP itself cannot wrap fake tensors)."""
+    `_DataParallelMemory` (DDP itself cannot wrap fake tensors), a pipeline stage's
+    micro-batch shapes found on this rank (`pipeline.local_stage_io`: the other stages,
+    which training asks, are not there)."""
     if cfg.head.kernel == "triton" or cfg.head.fused_update:
         raise PlanError(
             "head.kernel=triton: the Triton kernels cannot run on fake tensors; plan with "
             "head.kernel=torch and a head.chunk_size (the kernel's memory is at most that "
             "of the chunked torch path)"
         )
-    if cfg.model.pipeline_stages > 1:
-        raise PlanError(
-            "model.pipeline_stages > 1 cannot be planned yet: the stages learn their input "
-            "shapes from each other through collectives (pipeline.stage_io), which a fake "
-            "process group cannot carry; plan model.pipeline_stages=1 for the head's memory"
-        )
     # Parameters in the contiguous format: a channels-last copy has the same bytes, and
     # Module.to cannot convert fake parameters. The batch keeps the run's format.
-    return build_model(cfg, dist_info, num_classes, None, torch.preserve_format, wrap=_wrap)
+    return build_model(
+        cfg, dist_info, num_classes, layout, torch.preserve_format, wrap=_wrap, local_plan=stages
+    )
 
 
 def _wrap(cfg: ExperimentConfig, dist_info: DistInfo, module: nn.Module) -> nn.Module:
@@ -309,14 +345,20 @@ class _DataParallelMemory(nn.Module):
         return self.module(*args, **kwargs)
 
 
-def _fake_batch(cfg: ExperimentConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _fake_batch(
+    cfg: ExperimentConfig, layout: PipelineLayout | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The step's micro-batches as the loop hands them over: float images (B, 3, H, W) in
-    the run's memory format, and int64 labels."""
+    the run's memory format (an empty image batch on a pipeline's later stages, which read
+    the labels alone), and int64 labels."""
     batch = cfg.train.batch_size
     memory_format = torch.channels_last if cfg.data.channels_last else torch.contiguous_format
+    images = (
+        (batch, 3, *cfg.data.image_hw) if layout is None or layout.is_first else (batch, 0, 0, 0)
+    )
     return [
         (
-            torch.empty(batch, 3, *cfg.data.image_hw).contiguous(memory_format=memory_format),
+            torch.empty(images).contiguous(memory_format=memory_format),
             torch.zeros(batch, dtype=torch.int64),
         )
         for _ in range(cfg.train.accumulate_steps)
@@ -425,6 +467,17 @@ def plan_run(
         batch_size=cfg.train.batch_size,
         precision=_precision_name(cfg),
         ranks=ranks,
+        pipeline=_pipeline_name(cfg),
+    )
+
+
+def _pipeline_name(cfg: ExperimentConfig) -> str | None:
+    model, micro = cfg.model, cfg.micro_batches
+    if model.pipeline_stages == 1:
+        return None
+    return (
+        f"{model.pipeline_stages} stages, {micro} micro-batches of "
+        f"{cfg.train.batch_size // micro}, {model.pipeline_schedule}"
     )
 
 

@@ -11,6 +11,8 @@ kernels' own buffers included. The test and `benchmarks/plan.py` compare it with
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -27,6 +29,10 @@ def measure_rank(
     (collective when a process group exists), counting everything allocated since the
     parts were built."""
     torch.manual_seed(cfg.seed + dist_info.rank)
+    # What earlier work left in reference cycles is freed now, not by a collection in the
+    # middle of the profile: freeing a block allocated under an earlier profile would count
+    # against this one's bytes.
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         layout = None
         if cfg.model.pipeline_stages > 1:
@@ -62,19 +68,54 @@ def _images_format(memory_format: torch.memory_format) -> torch.memory_format:
 
 
 def _peak_of(prof: profile, marker: str) -> int:
-    """The allocator's peak (bytes live) between the start and end of the `marker` range."""
-    events = prof.profiler.kineto_results.events()
-    (span,) = [e for e in events if e.name() == marker]
-    start, end = span.start_ns(), span.start_ns() + span.duration_ns()
-    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    live = 0
-    peak = None
-    for event in memory:
-        if event.start_ns() > end:
+    """The allocator's peak (bytes live) between the start and end of the `marker` range.
+
+    Leaves out the copies `aten::flatten_dense_tensors` makes for a coalesced broadcast
+    (DDP's initial one) whose free the profiler did not see: gloo drops the last reference
+    on its own thread, which the profiler does not watch, so such a copy would stay counted
+    for good in some runs and not in others.
+    """
+    tree = prof.profiler.kineto_results.experimental_event_tree()
+    span = None
+    memory: list[tuple[int, int, int, bool]] = []  # (time, address, bytes, a broadcast copy)
+
+    def walk(nodes: list, in_flatten: bool) -> None:
+        nonlocal span
+        for node in nodes:
+            if node.name == marker:
+                span = node
+            if node.name == "[memory]":
+                fields = node.extra_fields
+                memory.append((node.start_time_ns, fields.ptr, fields.alloc_size, in_flatten))
+            walk(node.children, in_flatten or node.name == "aten::flatten_dense_tensors")
+
+    walk(tree, False)
+    assert span is not None, marker
+    memory.sort(key=lambda m: m[0])
+    unfreed_copies = _unfreed_copies(memory)
+    live, peak = 0, None
+    for index, (time, _, nbytes, _) in enumerate(memory):
+        if time > span.end_time_ns:
             break
-        if event.start_ns() >= start and peak is None:
+        if time >= span.start_time_ns and peak is None:
             peak = live
-        live += event.nbytes()
+        if index not in unfreed_copies:
+            live += nbytes
         if peak is not None:
             peak = max(peak, live)
     return live if peak is None else peak
+
+
+def _unfreed_copies(memory: list[tuple[int, int, int, bool]]) -> set[int]:
+    """Indices of the broadcast copies in `memory` (in time order) never seen freed."""
+    live: dict[int, int] = {}  # address -> index of its allocation
+    unfreed = set()
+    for index, (_, address, nbytes, _) in enumerate(memory):
+        if nbytes > 0:
+            if address in live and memory[live[address]][3]:  # reused: freed unseen
+                unfreed.add(live[address])
+            live[address] = index
+        else:
+            live.pop(address, None)
+    unfreed.update(i for i in live.values() if memory[i][3])
+    return unfreed

@@ -98,9 +98,10 @@ def format_plan(plan: RunPlan) -> str:
         rows.append((f"step time >= ({name})", cells))
     width = max(len(label) for label, _ in rows)
     col = max(16, *(len(h) for h in heads), *(len(c) for _, cells in rows for c in cells))
+    per = "GPU" if plan.pipeline is None else f"replica ({plan.pipeline})"
     lines = [
         f"plan: {plan.config_name}, {plan.world_size} GPUs, {plan.num_classes:,} classes, "
-        f"batch {plan.batch_size} per GPU, {plan.precision}",
+        f"batch {plan.batch_size} per {per}, {plan.precision}",
         " " * width + "".join(h.rjust(col + 2) for h in heads),
     ]
     lines += [
@@ -132,22 +133,33 @@ def verdict(cfg: ExperimentConfig, plan: RunPlan, gpu_memory_gib: float) -> str:
 
 
 def largest_batch(cfg: ExperimentConfig, plan: RunPlan, limit: int) -> int:
-    """The largest train.batch_size (a multiple of what the pipeline needs) that fits."""
-    unit = _batch_unit(cfg)
-    ranks = [r.rank for r in plan.ranks] if cfg.model.pipeline_stages > 1 else [plan.worst.rank]
+    """The largest train.batch_size that fits (with a pipeline: a multiple of its
+    micro-batch size, of as many micro-batches as its schedule needs at least)."""
+    unit, smallest = _batch_steps(cfg)
+    # Without a pipeline the rank with the largest shard; with one every stage's first
+    # replica (the last stage's holds the largest shard: the other replicas peak lower).
+    stages = cfg.model.pipeline_stages
+    ranks = list(range(stages)) if stages > 1 else [plan.worst.rank]
 
-    def peak_at(multiple: int) -> int:
-        if multiple * unit == 1:  # BatchNorm needs two samples to train: never fits
+    def batch_of(x: int) -> int:
+        # The search runs over x = 1, 2, ...: the smallest batch that runs, the next ...
+        return unit * (x + smallest - 1)
+
+    def peak_at(x: int) -> int:
+        batch = batch_of(x)
+        if batch == 1:  # BatchNorm needs two samples to train: never fits
             return limit + 1
-        if multiple * unit == plan.batch_size:
+        if batch == plan.batch_size:
             return max(r.peak for r in plan.ranks if r.rank in ranks)
-        trial = with_batch(cfg, multiple * unit)
+        trial = with_batch(cfg, batch)
         return max(
             plan_rank(trial, plan.num_classes, plan.world_size, r, detailed=False).peak
             for r in ranks
         )
 
-    return unit * largest(peak_at, max(1, plan.batch_size // unit), limit)
+    start = max(1, plan.batch_size // unit - smallest + 1)
+    found = largest(peak_at, start, limit)
+    return batch_of(found) if found else 0
 
 
 def largest_classes(cfg: ExperimentConfig, plan: RunPlan, limit: int) -> int:
@@ -167,14 +179,18 @@ def largest_classes(cfg: ExperimentConfig, plan: RunPlan, limit: int) -> int:
     return largest(peak_at, max(plan.num_classes, world // stages), limit, tolerance=0.01)
 
 
-def _batch_unit(cfg: ExperimentConfig) -> int:
-    """What train.batch_size must be a multiple of (a pipeline's micro-batches)."""
+def _batch_steps(cfg: ExperimentConfig) -> tuple[int, int]:
+    """(unit, smallest): train.batch_size is a multiple of `unit` and at least `smallest`
+    of them. Without a pipeline 1 and 1; with one, its micro-batches: 2 x stages of them
+    when model.micro_batch_size is null (of 2 samples at least, for BatchNorm), else
+    micro-batches of that size, at least as many as stages under 1F1B."""
     model = cfg.model
     if model.pipeline_stages == 1:
-        return 1
-    if model.micro_batch_size is not None:
-        return model.micro_batch_size
-    return 2 * model.pipeline_stages
+        return 1, 1
+    if model.micro_batch_size is None:
+        return 2 * model.pipeline_stages, 2
+    smallest = model.pipeline_stages if model.pipeline_schedule == "1f1b" else 1
+    return model.micro_batch_size, smallest
 
 
 def _three_digits(count: int) -> int:
