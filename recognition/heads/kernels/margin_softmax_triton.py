@@ -31,11 +31,11 @@ needs a cross-program reduction of a class-sized tensor:
 - `_grad_weight_kernel`, grid (class tiles,): the gradient of a tile of class rows,
   (D_PAD, BLOCK_C) summed in registers over every row block (transposed, so that the long
   side fills the matmul's M however narrow the tile), the normalisation's radial part
-  removed as `local_stats.remove_radial_part` does (with <w, g> summed from the tile's dot products, so
-  without the whole rows), written to the weight gradient (the taking-part rows), or, with
-  a fused SGD update, applied to the rows at once (weight decay, momentum, Nesterov, lr as
-  torch.optim.SGD does, dampening 0) so that no weight-sized gradient ever exists. Its
-  epilogue goes in `epilogue_splits` pieces of the dimension (see the kernel).
+  removed as `local_stats.remove_radial_part` does (with <w, g> summed from the tile's dot
+  products, so without the whole rows), written to the weight gradient (the taking-part
+  rows), or, with a fused SGD update, applied to the rows at once (weight decay, momentum,
+  Nesterov, lr as torch.optim.SGD does, dampening 0) so that no weight-sized gradient ever
+  exists. Its epilogue goes in `epilogue_splits` pieces of the dimension (see the kernel).
 
 Why not one backward pass: one program can hold only one of the two gradients in
 registers, so a single pass would reduce the other across programs. The weight gradient
