@@ -20,7 +20,6 @@ and resized to the input size while loading.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from benchmarks.table import write_json
 from recognition.config import load_config
 from recognition.data.source import image_size_pair
 from recognition.evaluation.embeddings import PathDataset, extract_embeddings
@@ -170,10 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "results": rows,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp_json = args.json.with_name(f".{args.json.name}.tmp")
-        tmp_json.write_text(json.dumps(payload, indent=2) + "\n")
-        tmp_json.replace(args.json)
+        write_json(args.json, payload)
     return 0
 
 

@@ -19,15 +19,13 @@ steadier figure: it does not grow while the process waits for a core). The targe
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.table import machine, write_json
 from recognition.evaluation.ijb import roc_metrics, score_pairs
 
 IJBC_PAIRS = 15_658_489
@@ -139,9 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"AUC {reference['auc']:.4f}; TAR % at FAR {tars}")
     if args.json is not None:
         payload = {
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": platform.processor() or platform.machine(),
-            "cpus_usable": len(os.sched_getaffinity(0)),
+            **machine(),
             "templates": len(features),
             "dim": args.dim,
             "pairs": len(left),
@@ -149,10 +145,7 @@ def main(argv: list[str] | None = None) -> None:
             "runs": rows,
             "sklearn_roc_s": sklearn_s,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_name(f".{args.json.name}.tmp")
-        tmp.write_text(json.dumps(payload, indent=2) + "\n")
-        tmp.replace(args.json)
+        write_json(args.json, payload)
         print(f"wrote {args.json}")
 
 

@@ -21,17 +21,14 @@ and one argsort per probe row, for both galleries.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.table import print_table
+from benchmarks.table import machine, print_table, write_json
 from recognition.evaluation.ijb_search import identification_metrics, search_gallery
 
 
@@ -149,9 +146,7 @@ def main(argv: list[str] | None = None) -> None:
               f"TPIR % {tpir}")  # fmt: skip
     if args.json is not None:
         payload = {
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": platform.processor() or platform.machine(),
-            "cpus_usable": len(os.sched_getaffinity(0)),
+            **machine(),
             "gallery": [len(g) for g in galleries],
             "probes": args.probes,
             "dim": args.dim,
@@ -160,10 +155,7 @@ def main(argv: list[str] | None = None) -> None:
             "full_sort_s": full_sort_s,
             "metrics": reference,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_name(f".{args.json.name}.tmp")
-        tmp.write_text(json.dumps(payload, indent=2) + "\n")
-        tmp.replace(args.json)
+        write_json(args.json, payload)
         print(f"wrote {args.json}")
 
 

@@ -1,8 +1,14 @@
-"""Fixed-width text tables for the benchmarks' console output."""
+"""The benchmarks' output: fixed-width text tables for the console, JSON results files."""
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import platform
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 
 def print_table(columns: Sequence[tuple[str, int]], rows: Sequence[Sequence[object]]) -> None:
@@ -25,3 +31,20 @@ def print_table(columns: Sequence[tuple[str, int]], rows: Sequence[Sequence[obje
     print("-" * len(header))
     for row in rows:
         print(line(row))
+
+
+def machine() -> dict[str, Any]:
+    """When and where a benchmark ran: date, processor, usable CPUs."""
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": platform.processor() or platform.machine(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+    }
+
+
+def write_json(path: Path, payload: Any) -> None:
+    """Write `payload` as indented JSON to `path` atomically (a temporary file, renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(path)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 from test_cli_faults import one_error_line
-from test_ijb import SIZE, loose_crop
-from test_ijb_search import make_release, photo_faces, write_meta
+from test_ijb import SIZE
+from test_ijb_search import make_release, write_photo_release
 
 import evaluate
 from recognition import checkpoint as ckpt
@@ -26,18 +26,7 @@ def write_release(root: Path, name: str) -> None:
     """A small release of photo squares (8 subjects, ~60 images); the same image names for
     every ``name``, as the seed is fixed."""
     rng = np.random.default_rng(9)
-    release = make_release(rng, name, 8, (2, 4))
-    faces = photo_faces(8)
-    subjects = sorted({s for s, _ in release.templates.values()})
-    landmarks = {}
-    (root / "loose_crop").mkdir(parents=True)
-    for subject, media in release.templates.values():
-        face, points = faces[subjects.index(subject)]
-        for _, names in media:
-            for n in names:
-                image, landmarks[n] = loose_crop(face, points, rng)
-                image.save(root / "loose_crop" / n, quality=90)
-    write_meta(root, name, release, landmarks)
+    write_photo_release(root, name, rng, make_release(rng, name, 8, (2, 4)), quality=90)
 
 
 def export(path: Path, seed: int) -> Path:

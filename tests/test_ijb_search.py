@@ -384,14 +384,12 @@ def photo_faces(num_subjects: int) -> list[tuple[Image.Image, np.ndarray]]:
     return faces
 
 
-@pytest.fixture(scope="module")
-def photo_release(tmp_path_factory) -> tuple[Path, Release]:
-    """An IJB-C layout whose identities are squares of real photographs, each template
-    image a loose crop (rotated, scaled, shifted, relit, on noise) with moved landmarks."""
-    rng = np.random.default_rng(5)
-    root = tmp_path_factory.mktemp("photos") / "IJBC"
-    release = make_release(rng, "ijbc", 30, (6, 10), enrolled_share=0.9)
-    faces = photo_faces(30)
+def write_photo_release(
+    root: Path, name: str, rng: np.random.Generator, release: Release, quality: int
+) -> None:
+    """`release` written under `root` with every image a loose crop (rotated, scaled, shifted,
+    relit, on noise) of its subject's photo square, and the landmarks moved with it."""
+    faces = photo_faces(len({s for s, _ in release.templates.values()}))
     subjects = sorted({s for s, _ in release.templates.values()})
     landmarks = {}
     (root / "loose_crop").mkdir(parents=True)
@@ -400,8 +398,17 @@ def photo_release(tmp_path_factory) -> tuple[Path, Release]:
         for _, names in media:
             for n in names:
                 image, landmarks[n] = loose_crop(face, points, rng)
-                image.save(root / "loose_crop" / n, quality=92)
-    write_meta(root, "ijbc", release, landmarks)
+                image.save(root / "loose_crop" / n, quality=quality)
+    write_meta(root, name, release, landmarks)
+
+
+@pytest.fixture(scope="module")
+def photo_release(tmp_path_factory) -> tuple[Path, Release]:
+    """An IJB-C layout whose identities are squares of real photographs."""
+    rng = np.random.default_rng(5)
+    root = tmp_path_factory.mktemp("photos") / "IJBC"
+    release = make_release(rng, "ijbc", 30, (6, 10), enrolled_share=0.9)
+    write_photo_release(root, "ijbc", rng, release, quality=92)
     return root, release
 
 
