@@ -114,3 +114,16 @@ def child_env() -> dict[str, str]:
 def torchrun(*args: str) -> list[str]:
     """The torchrun command line with `args`, on this interpreter."""
     return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def start_rank(rank: int, world_size: int, port: int, args: list[str], cwd: Path):
+    """`train.py args` as rank `rank` of `world_size` started by hand, as a scheduler would
+    (no torchrun agent), meeting on localhost:`port`; its stderr piped, stdout dropped."""
+    import subprocess
+
+    env = dict(child_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *args],
+        cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip

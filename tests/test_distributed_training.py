@@ -22,7 +22,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from helpers import (
     folder_overrides,
     free_port,
     init_gloo_rank,
+    start_rank,
     tiny_run_overrides,
     torchrun,
 )
@@ -407,15 +407,10 @@ def test_killed_rank_stops_the_others_and_the_checkpoint_resumes(image_folder, t
         image_folder, out, "train.epochs=40", "train.checkpoint_every=3",
         f"train.timeout_s={timeout_s}", "train.resume=auto",
     )  # fmt: skip
-    port = str(free_port())
+    port = free_port()
 
     def start(rank: int) -> subprocess.Popen:
-        env = dict(child_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        return subprocess.Popen(
-            [sys.executable, str(REPO / "train.py"), *args],
-            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        return start_rank(rank, 2, port, args, tmp_path)
 
     ranks = [start(0), start(1)]
     wait_for_checkpoint(out, ranks, timeout=60)

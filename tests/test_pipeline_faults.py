@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, child_env, free_port, tiny_run_overrides, torchrun
+from helpers import REPO, child_env, free_port, start_rank, tiny_run_overrides, torchrun
 from test_cli_faults import one_error_line
 from test_distributed_training import wait_for_checkpoint
 
@@ -152,15 +152,10 @@ def test_a_rank_killed_during_a_pipelined_step(image_folder, tmp_path):
     args = pipeline_args(
         image_folder, out, "train.epochs=40", f"train.timeout_s={timeout_s}", "train.resume=auto"
     )
-    port = str(free_port())
+    port = free_port()
 
     def start(rank: int) -> subprocess.Popen:
-        env = dict(child_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        return subprocess.Popen(
-            [sys.executable, str(REPO / "train.py"), *args],
-            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        return start_rank(rank, 2, port, args, tmp_path)
 
     ranks = [start(0), start(1)]
     wait_for_checkpoint(out, ranks, timeout=90)
