@@ -200,10 +200,13 @@ def section_timeout(limit_s: float, left_s: float, sections_after: int) -> float
     return max(0.0, min(limit_s, left_s - FLOOR_S * sections_after))
 
 
-def run_all(args: argparse.Namespace, info: dict[str, Any], scratch: Path) -> dict[str, Any]:
-    """Every section in order, each skipped, or run under its limit; returns them by name."""
+def run_all(
+    args: argparse.Namespace, info: dict[str, Any], scratch: Path, start: float | None = None
+) -> dict[str, Any]:
+    """Every section in order, each skipped, or run under its limit; returns them by name.
+    The budget counts from `start` (time.monotonic(); None: now)."""
     budget = args.budget or (SMOKE_BUDGET_S if args.smoke else BUDGET_S)
-    deadline = time.monotonic() + budget
+    deadline = (time.monotonic() if start is None else start) + budget
     reasons = {s.name: skip_reason(s, info, args.smoke, args.only) for s in SECTIONS}
     results: dict[str, Any] = {}
     for index, section in enumerate(SECTIONS):
@@ -306,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     json_path, md_path = output_paths(args.json, info, args.smoke)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:
-        sections = run_all(args, info, Path(scratch))
+        # From the check's start: the probe (a CUDA start, seconds) is part of the budget.
+        sections = run_all(args, info, Path(scratch), start)
     report = {
         "machine": info,
         "smoke": args.smoke,

@@ -177,9 +177,12 @@ def _build(case: Case, rank: int, device):
 
     if case.method.startswith("sharded"):
         chunk = case.chunk_size if case.method == "sharded-chunked" else None
+        # Made and drawn on the device: 10M classes drawn on one CPU thread and copied over
+        # would take about a minute per case (and the largest-class search, every try).
         head = ShardedMarginSoftmax(
-            case.num_classes, case.embedding_size, margin, chunk_size=chunk, kernel=case.kernel
-        ).to(device)
+            case.num_classes, case.embedding_size, margin, chunk_size=chunk, kernel=case.kernel,
+            device=device,
+        )  # fmt: skip
         optimizer = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
         if case.fused_update:  # the backward steps the rows; optimizer.step() skips them
             head.attach_fused_update(optimizer)

@@ -102,6 +102,54 @@ def test_section_limits_leave_time_for_the_sections_after():
     assert sum(one_gpu) <= gpu_check.BUDGET_S <= 540
 
 
+def test_the_head_benchmark_draws_the_class_rows_on_its_device(monkeypatch):
+    """On a GPU the rows are drawn there: 10M rows drawn by one CPU thread and copied over
+    would take about a minute per case, and every try of the largest-class search. The
+    meta device stands in for the GPU (the spy records where the rows are drawn)."""
+    import torch
+
+    import recognition.heads
+    from benchmarks import head
+
+    drawn_on = []
+
+    class Spy(recognition.heads.ShardedMarginSoftmax):
+        def reset_parameters(self) -> None:
+            drawn_on.append(self.weight.device)
+            if self.weight.device.type == "cpu":
+                super().reset_parameters()
+
+    monkeypatch.setattr(recognition.heads, "ShardedMarginSoftmax", Spy)
+    case = head.Case("sharded", 1, 1000, 8, 16, None, 1, 0, 1, "meta", None)
+    head._build(case, 0, torch.device("meta"))
+    assert drawn_on == [torch.device("meta")]
+
+
+def test_the_budget_counts_the_probe_of_the_machine(monkeypatch, tmp_path):
+    """The whole check fits the budget: the probe (a process that starts CUDA) is in it."""
+    from types import SimpleNamespace
+
+    clock = [1000.0]
+    info = {"gpus": 0, "device": "cpu", "torch": "t", "triton": None, "cuda": None}
+
+    def probe() -> dict:
+        clock[0] += 30.0
+        return info
+
+    limits = {}
+
+    def run_section(command, result_path, log_path, timeout_s, env=None):
+        limits[command[command.index("--section") + 1]] = timeout_s
+        return {"status": "ok", "rows": [], "notes": {}, "why": None, "error": None, "wall_s": 1}
+
+    monkeypatch.setattr(gpu_check, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(gpu_check, "probe", probe)
+    monkeypatch.setattr(gpu_check, "run_section", run_section)
+    argv = ["--smoke", "--budget", "100", "--only", "head", "--json", str(tmp_path / "r.json")]
+    assert gpu_check.main(argv) == 0
+    assert limits == {"head": 70.0}
+
+
 def test_sections_say_why_they_do_not_run():
     by_name = {s.name: s for s in gpu_check.SECTIONS}
     cpu, one, two = ({"gpus": n} for n in (0, 1, 2))

@@ -363,15 +363,31 @@ def test_nvjpeg_batches_match_the_cpu_path_within_tolerance(tmp_path: Path):
 
 
 @needs_cuda
-def test_training_losses_close_with_nvjpeg(tmp_path: Path):
-    """10 steps on a CUDA device: the losses with data.decode=gpu stay within 2 % of those
-    with cpu (the inputs differ by the decoders' few levels; cuDNN is not deterministic)."""
+def test_training_with_nvjpeg_steps_on_the_cpu_paths_batches(tmp_path: Path, monkeypatch):
+    """10 steps on a CUDA device with data.decode=gpu and with cpu: the training step gets
+    the same labels and, within the decoders' levels (as above), the same images, and the
+    losses are finite. The losses themselves are not compared: this tiny untrained run
+    moves its first loss by 1-3 % for inputs changed by a level or two, and its later ones
+    by tens of % (measured on the CPU with noise in place of nvJPEG's differences)."""
+    import recognition.training.build as build_module
+
     data = make_folder(tmp_path / "faces", identities=6, per=10)
-    runs = {}
+    real_step = build_module.train_step
+    batches = {}
     for decode in ("cpu", "gpu"):
+        seen = batches[decode] = []
+
+        def step(model, head, micro_batches, *rest, seen=seen):
+            seen.extend((x.float().cpu(), y.cpu()) for x, y in micro_batches)
+            return real_step(model, head, micro_batches, *rest)
+
+        monkeypatch.setattr(build_module, "train_step", step)
         overrides = tiny_run(data, tmp_path / decode, decode)
         overrides += ["train.device=cuda", "train.max_steps=10"]
-        runs[decode] = losses(train(load_config("default", overrides)))
-    assert len(runs["gpu"]) == len(runs["cpu"]) == 10
-    for gpu, cpu in zip(runs["gpu"], runs["cpu"], strict=True):
-        assert abs(gpu - cpu) <= 0.02 * abs(cpu)
+        run_losses = losses(train(load_config("default", overrides)))
+        assert len(run_losses) == 10 and all(np.isfinite(run_losses)), run_losses
+    assert len(batches["gpu"]) == len(batches["cpu"]) == 10
+    for (gpu, gpu_labels), (cpu, cpu_labels) in zip(batches["gpu"], batches["cpu"], strict=True):
+        assert torch.equal(gpu_labels, cpu_labels)
+        levels = (gpu - cpu).abs() * 127.5
+        assert levels.mean() <= 2.0 and levels.max() <= 48.0
