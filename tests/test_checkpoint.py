@@ -5,6 +5,7 @@ backbone export, clear errors. (Several ranks and other world sizes: test_distri
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import random
 from pathlib import Path
@@ -118,6 +119,53 @@ def test_a_crafted_metadata_file_runs_no_code(tmp_path, capsys):
     with pytest.raises(ValueError, match="builtins.print is not allowed"):
         ckpt.read_checkpoint(path)
     assert "executed" not in capsys.readouterr().out
+
+
+class FakeCudaStreams:
+    """torch.cuda's RNG calls over `count` fake devices, `current` this process's, while
+    `active()`: each device's state a distinct byte tensor; setting one on a device that
+    does not exist raises, as torch does. (Only around the RNG calls: DCP itself uses CUDA
+    streams when torch.cuda says it is available.)"""
+
+    def __init__(self, count: int, current: int) -> None:
+        self.count, self.current, self.restored = count, current, {}
+
+    @contextlib.contextmanager
+    def active(self):
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in {
+                "is_available": lambda: True,
+                "device_count": lambda: self.count,
+                "current_device": lambda: self.current,
+                "get_rng_state": self.get,
+                "set_rng_state": self.set,
+                "get_rng_state_all": lambda: [self.get(i) for i in range(self.count)],
+                "set_rng_state_all": lambda states: [self.set(x, i) for i, x in enumerate(states)],
+            }.items():
+                patch.setattr(torch.cuda, name, value)
+            yield
+
+    def get(self, device=0) -> torch.Tensor:
+        return torch.full((16,), int(device) + 1, dtype=torch.uint8)
+
+    def set(self, state: torch.Tensor, device=0) -> None:
+        if not 0 <= int(device) < self.count:
+            raise RuntimeError(f"invalid device ordinal {device}")
+        self.restored[int(device)] = int(state[0]) - 1
+
+
+def test_rng_state_keeps_the_ranks_own_cuda_stream_on_another_placement(tmp_path):
+    # Rank 5 of 8 on one node of 8 GPUs (its device: 5), resumed as local rank 1 on a node
+    # of 4: the stream it drew from is its device's, restored to its new device.
+    cuda = FakeCudaStreams(count=8, current=5)
+    with cuda.active():
+        state = ckpt.rng_state()
+    path = ckpt.save_checkpoint(tmp_path, 1, {"rng/5": state}, keep=1)
+    saved = ckpt.read_checkpoint(path)["rng/5"]
+    cuda.count, cuda.current = 4, 1
+    with cuda.active():
+        ckpt.set_rng_state(saved)
+    assert cuda.restored == {1: 5}
 
 
 def test_rng_state_round_trip_through_a_checkpoint(tmp_path):
