@@ -346,6 +346,11 @@ def section_throughput(run: SectionRun) -> None:
             config(True), device, plan.identities, plan.steps, plan.warmup
         )
         _model_row(run, what, compiled, matmul)
+    # Last: the plan takes seconds of CPU (IResNet-50 at batch 256: about 5 s).
+    if run.time_left() < 15:
+        run.skip("memory plan of the eager step", "no time left in the section")
+    else:
+        _plan_row(run, plan, base, model)
 
 
 def _model_row(run: SectionRun, what: str, model: dict, matmul: float) -> None:
@@ -357,6 +362,36 @@ def _model_row(run: SectionRun, what: str, model: dict, matmul: float) -> None:
     target = None if run.smoke else ">= 5,000 images/s"
     run.add(what, text, target=target,
             met=None if target is None else model["images_per_s"] >= 5000, **model)  # fmt: skip
+
+
+def _plan_row(run: SectionRun, plan: ThroughputPlan, base: list[str], model: dict) -> None:
+    """The run planner (`train.py --plan`: fake tensors, no GPU) against the eager step just
+    measured: its planned peak and torch.cuda.max_memory_allocated over the timed steps
+    (the first steps apart: cuDNN's algorithm search and head.kernel=auto's timing). The
+    plan counts what the caching allocator hands out, not cuDNN's workspaces taken
+    through it, so the measurement may exceed it by those."""
+    from recognition.config import load_config
+    from recognition.training.plan import plan_run
+
+    what = "memory plan of the eager step"
+    try:
+        # The torch head: the planner does not plan the Triton kernels (at these 512
+        # classes the two paths' memory differs by the logits, a fraction of a MiB).
+        cfg = load_config(plan.config, [*base, "train.compile=false", "head.kernel=torch"])
+        planned = plan_run(cfg, plan.identities, 1).worst.peak
+    except Exception as exc:  # noqa: BLE001 - a row, and the section goes on
+        run.fail(what, _first_line(f"{type(exc).__name__}: {exc}"))
+        return
+    measured = model.get("steady_memory_mib")
+    if measured is None:
+        run.add(what, f"planned {planned / GIB:.2f} GiB; measured on a GPU only",
+                status="skipped", planned_bytes=planned)  # fmt: skip
+        return
+    ratio = measured * 2**20 / planned
+    text = f"planned {planned / GIB:.2f} GiB, measured {measured / 1024:.2f} GiB, x{ratio:.3f}"
+    target = None if run.smoke else "within 10 %"
+    run.add(what, text, target=target, met=None if target is None else abs(ratio - 1) <= 0.10,
+            planned_bytes=planned, measured_bytes=int(measured * 2**20), ratio=ratio)  # fmt: skip
 
 
 def _end_to_end(run: SectionRun, plan, folder: Path, base: list[str], decode: str,

@@ -279,7 +279,48 @@ def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
     assert model_rate > 0 and cpu["images_per_s"] > 0
     assert cpu["x_model"] == pytest.approx(cpu["images_per_s"] / model_rate)
     assert throughput["end to end, data.decode=gpu"]["status"] == "skipped"
+    memory_plan = throughput["memory plan of the eager step"]
+    assert memory_plan["status"] == "skipped" and "on a GPU only" in memory_plan["result"]
+    # At least the backbone's fp32 parameters and their gradients (1/8-width IResNet-18).
+    assert memory_plan["data"]["planned_bytes"] > 2 * 4 * 100_000
     [run, auto] = report["sections"]["training"]["rows"]
     # 40 pairs: the accuracy is a whole number of pairs, and the run logged its 4 steps.
     assert run["data"]["steps"] == 4 and (40 * run["data"]["accuracy"]) % 1 == 0
     assert auto["result"].startswith("torch (")
+
+
+def planned_run(tmp_path: Path) -> tuple[gpu_sections.SectionRun, gpu_sections.ThroughputPlan]:
+    """A section run on a (stated) GPU machine, and the smoke's tiny throughput config."""
+    info = {"gpus": 1, "device": "GPU", "cpus": 2, "memory_bytes": 80 * 2**30}
+    run = gpu_sections.SectionRun("throughput", False, info, time.monotonic() + 60,
+                                  tmp_path / "rows.json")  # fmt: skip
+    smoke = gpu_sections.SectionRun("throughput", True, {"gpus": 0}, 0.0, tmp_path / "x.json")
+    return run, gpu_sections.throughput_plan(smoke)
+
+
+@pytest.mark.parametrize("measured_over_planned, met", [(1.04, True), (0.93, True), (1.15, False)])
+def test_the_memory_plan_row_holds_the_measured_peak_to_10_percent(
+    tmp_path, measured_over_planned, met
+):
+    from recognition.config import load_config
+    from recognition.training.plan import plan_run
+
+    run, plan = planned_run(tmp_path)
+    base = [*plan.overrides, "train.device=cuda", "eval.targets=[]", "eval.at_end=false"]
+    cfg = load_config(plan.config, [*base, "train.compile=false", "head.kernel=torch"])
+    planned = plan_run(cfg, plan.identities, 1).worst.peak
+    measured_mib = measured_over_planned * planned / 2**20
+    gpu_sections._plan_row(run, plan, base, {"steady_memory_mib": measured_mib})
+    [row] = run.rows
+    assert row["what"] == "memory plan of the eager step" and row["status"] == "ok"
+    assert row["target"] == "within 10 %" and row["met"] is met
+    assert row["data"]["ratio"] == pytest.approx(measured_over_planned)
+    assert f"x{measured_over_planned:.3f}" in row["result"]
+    assert json.loads(run.result_path.read_text())["rows"][0]["met"] is met
+
+
+def test_a_plan_that_fails_is_a_failed_row_and_the_section_goes_on(tmp_path):
+    run, plan = planned_run(tmp_path)
+    gpu_sections._plan_row(run, plan, ["model.backbone=no_such_net"], {"steady_memory_mib": 1})
+    [row] = run.rows
+    assert row["status"] == "failed" and "no_such_net" in row["result"], row
