@@ -59,6 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.table import write_json
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 
@@ -320,9 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         "sections": sections,
     }
     table = markdown(report)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    md_path.write_text(table)
+    write_json(json_path, report)
+    md_path.with_name(f".{md_path.name}.tmp").write_text(table)
+    md_path.with_name(f".{md_path.name}.tmp").replace(md_path)
     print(table)
     print(f"wrote {json_path} and {md_path}", file=sys.stderr)
     # Non-zero when a section that ran failed or ran out of time (a skipped one is not).
