@@ -9,6 +9,9 @@ are all there by then: `torch.distributed.pipelining` with the batched send/recv
 bf16 / fp16 autocast and `GradScaler` under one name, and the single-tensor collectives
 (`all_gather_into_tensor`, renamed `all_gather_single` in 2.14; see
 `recognition.distributed`).
+
+Also here: `interpreter_scalars_as_indices`, which lets Triton 3.6's interpreter (the Triton
+of torch 2.11) run the head's kernels on a CPU under NumPy 2.4 and later.
 """
 
 from __future__ import annotations
@@ -41,3 +44,27 @@ def torch_version_error(version: str | None = None) -> str | None:
         f"torch {version} is installed, but this project needs torch >= {minimum} "
         f"(pip install -r requirements.txt installs the tested release)"
     )
+
+
+def interpreter_scalars_as_indices() -> None:
+    """Triton 3.6's interpreter (TRITON_INTERPRET=1) turns a scalar kernel argument into an
+    index with `int(array)` on a one-element 1-d array, which NumPy 2.4 refuses ("only
+    0-dimensional arrays can be converted to Python scalars": a `for t in range(n)` over a
+    runtime `n` fails); Triton 3.8 squeezes the array first. Do the same on the older
+    releases. Interpreter only: compiled kernels never take this path. Idempotent; called
+    where the head's kernels are imported under the interpreter, so that every process
+    that runs them interpreted (a spawned rank, a script) has it."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_squeezes", False):
+        return
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch._squeezes = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch

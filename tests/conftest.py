@@ -27,31 +27,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
-def interpreter_scalars_as_indices() -> None:
-    """Triton 3.6's interpreter turns a scalar kernel argument into an index with
-    `int(array)` on a one-element 1-d array, which NumPy 2.4 refuses (a `for t in range(n)`
-    over a runtime `n` then fails); Triton 3.8 squeezes the array first. Do the same on the
-    older releases, so that the kernel tests run on the triton that comes with torch 2.11.
-    Interpreter only: compiled kernels never take this path."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_squeezes", False):
-        return
-
-    def patch(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    patch._squeezes = True
-    interpreter._patch_lang_tensor = patch
-
-
-interpreter_scalars_as_indices()
-
-
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     before = torch.get_num_threads()

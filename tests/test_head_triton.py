@@ -23,7 +23,6 @@ import logging  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from conftest import interpreter_scalars_as_indices  # noqa: E402
 from test_head import (  # noqa: E402
     MARGIN_CASES,
     assert_close_rel,
@@ -38,9 +37,6 @@ from recognition.config import ConfigError, config_from_dict  # noqa: E402
 from recognition.heads import ShardedMarginSoftmax  # noqa: E402
 from recognition.heads import margin_softmax as head_module  # noqa: E402
 from recognition.heads.margins import ArcFace, CosFace  # noqa: E402
-
-# The spawned ranks import this module, not conftest: they need the interpreter fix too.
-interpreter_scalars_as_indices()
 
 EMBEDDING_SIZE = 24  # not a power of two: the kernels pad D to 32
 MARGINS = {case[0]: case for case in MARGIN_CASES}

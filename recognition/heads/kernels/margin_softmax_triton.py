@@ -114,7 +114,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from recognition.compat import interpreter_scalars_as_indices
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if INTERPRET:
+    interpreter_scalars_as_indices()  # Triton 3.6's interpreter under NumPy >= 2.4
 
 TORCH_TO_TRITON = {
     torch.float32: tl.float32,
