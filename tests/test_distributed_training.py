@@ -499,3 +499,34 @@ def test_auto_device_is_what_the_suite_asks_for(monkeypatch):
     monkeypatch.setenv("RECOGNITION_AUTO_DEVICE", "")
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert pick_device("auto").type == expected
+
+
+def _shutdown_worker(rank: int, world_size: int, port: int, overrides: list, out: str) -> None:
+    """A rank whose train() makes (and so leaves) the process group itself, as under
+    torchrun; records how many DDP models are alive when it leaves the group."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    leave = distributed.shutdown
+
+    def shutdown() -> None:
+        alive = sum(issubclass(type(o), DistributedDataParallel) for o in gc.get_objects())
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"ddp_alive": alive}))
+        leave()
+
+    distributed.shutdown = shutdown
+    train(load_config("default", overrides))
+
+
+def test_a_run_frees_its_ddp_model_before_it_leaves_the_process_group(image_folder, tmp_path):
+    # DDP's reducer holds the process group. Freed after destroy_process_group, it is the
+    # group's last owner and destroys it holding the GIL, while gloo's worker threads may
+    # need the GIL to free the last tensors they hold: torch 2.11 hung there at the end of
+    # a run now and then (seen on the GPU machines' image, Python 3.12 + torch 2.11).
+    overrides = tiny_overrides(image_folder, tmp_path / "run", 2)
+    mp.spawn(_shutdown_worker, args=(2, free_port(), overrides, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"ddp_alive": 0}

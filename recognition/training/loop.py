@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import itertools
 import logging
 import os
@@ -76,6 +77,13 @@ def _train(cfg: ExperimentConfig) -> Path:
         metrics.close()
     _finish(run)
     if owns_group:
+        # The run's DDP reducer holds the process group too. Freed after the group is left,
+        # it would be the group's last owner and destroy it holding the GIL, while gloo's
+        # worker threads may need the GIL to free the last tensors they hold: torch 2.11
+        # hung there at the end of a run now and then. Freed first, the group is destroyed
+        # by destroy_process_group, which lets go of the GIL.
+        del run
+        gc.collect()
         distributed.shutdown()
     return cfg.run_dir
 
