@@ -87,22 +87,29 @@ def test_plan_matches_the_allocator_on_one_process(name, classes, overrides):
     assert_close(plan, measure_rank(cfg, classes, DistInfo()), name)
 
 
-def _measure_two_ranks(rank: int, port: int, out: str, cases: list) -> None:
-    from recognition.training.plan_check import measure_rank
+def _on_two_ranks(rank: int, port: int, out: str, measure, cases: list) -> None:
+    """A spawned rank of two over gloo: `measure(cases, info)`'s results, or the traceback
+    of what failed, written to out/rank<rank>.json."""
     from tests.helpers import init_gloo_rank
 
     results: dict[str, object] = {}
     try:
         init_gloo_rank(rank, 2, port)
-        info = DistInfo(rank=rank, world_size=2)
-        for name, classes, overrides in cases:
-            results[name] = measure_rank(tiny(*overrides), classes, info)
+        results = measure(cases, DistInfo(rank=rank, world_size=2))
     except Exception:
-        results["error"] = traceback.format_exc()
+        results = {"error": traceback.format_exc()}
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(results))
         # As tests/test_head_distributed.py: gloo's teardown may abort; the file holds all.
         os._exit(0)
+
+
+def _peaks(cases: list, info: DistInfo) -> dict[str, object]:
+    from recognition.training.plan_check import measure_rank
+
+    return {
+        name: measure_rank(tiny(*overrides), classes, info) for name, classes, overrides in cases
+    }
 
 
 def test_plan_matches_the_allocator_on_two_ranks(tmp_path):
@@ -112,7 +119,7 @@ def test_plan_matches_the_allocator_on_two_ranks(tmp_path):
     cases = [
         (name, classes + 1, overrides) for name, classes, overrides in CASES[0:4:2] + [CASES[3]]
     ]
-    mp.spawn(_measure_two_ranks, args=(free_port(), str(tmp_path), cases), nprocs=2, join=True)
+    mp.spawn(_on_two_ranks, args=(free_port(), str(tmp_path), _peaks, cases), nprocs=2, join=True)
     for rank in range(2):
         measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert "error" not in measured, measured.get("error")
@@ -158,27 +165,19 @@ def _io_of_two_ranks(cfg, classes: int, info: DistInfo) -> dict[str, list]:
     }
 
 
-def _measure_pipelines(rank: int, port: int, out: str, cases: list) -> None:
+def _pipeline_peaks_and_io(cases: list, info: DistInfo) -> dict[str, object]:
     from recognition.training.plan_check import measure_rank
-    from tests.helpers import init_gloo_rank
 
     results: dict[str, object] = {}
-    try:
-        init_gloo_rank(rank, 2, port)
-        info = DistInfo(rank=rank, world_size=2)
-        for name, classes, overrides in cases:
-            cfg = tiny(*overrides)
-            results[name] = {
-                "peak": measure_rank(cfg, classes, info),
-                **_io_of_two_ranks(cfg, classes, info),
-            }
-        # O3: half weights without autocast, where the cut's dtype comes from the weights.
-        results["O3"] = _io_of_two_ranks(tiny(*PIPELINE, "precision.level=O3"), 1000, info)
-    except Exception:
-        results["error"] = traceback.format_exc()
-    finally:
-        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-        os._exit(0)
+    for name, classes, overrides in cases:
+        cfg = tiny(*overrides)
+        results[name] = {
+            "peak": measure_rank(cfg, classes, info),
+            **_io_of_two_ranks(cfg, classes, info),
+        }
+    # O3: half weights without autocast, where the cut's dtype comes from the weights.
+    results["O3"] = _io_of_two_ranks(tiny(*PIPELINE, "precision.level=O3"), 1000, info)
+    return results
 
 
 def test_pipelined_plan_matches_the_allocator_on_two_ranks(tmp_path):
@@ -188,7 +187,8 @@ def test_pipelined_plan_matches_the_allocator_on_two_ranks(tmp_path):
     from tests.helpers import free_port
 
     cases = PIPELINE_CASES
-    mp.spawn(_measure_pipelines, args=(free_port(), str(tmp_path), cases), nprocs=2, join=True)
+    args = (free_port(), str(tmp_path), _pipeline_peaks_and_io, cases)
+    mp.spawn(_on_two_ranks, args=args, nprocs=2, join=True)
     planned: dict[tuple[str, int], int] = {}
     for rank in range(2):
         measured = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -253,6 +253,12 @@ class ModelParts:
     step: Callable[..., StepResult]
     param_ids: list[int] | None
 
+    def run_step(self, micro_batches: list, grad_clip: float | None) -> StepResult:
+        """One training step of these parts on `micro_batches`."""
+        return self.step(
+            self.model, self.head, micro_batches, self.optimizer, self.precision, grad_clip
+        )
+
 
 Wrapper = Callable[[ExperimentConfig, DistInfo, nn.Module], nn.Module]
 

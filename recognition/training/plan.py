@@ -179,14 +179,7 @@ def plan_rank(
             memory.reset_peak()
             breakdown.start_step()
             with _counters(detailed) as (cost, flops):
-                parts.step(
-                    parts.model,
-                    parts.head,
-                    micro_batches,
-                    parts.optimizer,
-                    parts.precision,
-                    cfg.optim.grad_clip,
-                )
+                parts.run_step(micro_batches, cfg.optim.grad_clip)
     stage = rank % cfg.model.pipeline_stages if cfg.model.pipeline_stages > 1 else None
     head_flops = _module_flops(flops, "ShardedMarginSoftmax") if flops is not None else 0
     at_peak = breakdown.at_peak

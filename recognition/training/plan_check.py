@@ -51,14 +51,7 @@ def measure_rank(
                 for _ in range(cfg.train.accumulate_steps)
             ]
             with record_function(f"plan_check_step_{step}"):
-                parts.step(
-                    parts.model,
-                    parts.head,
-                    micro_batches,
-                    parts.optimizer,
-                    parts.precision,
-                    cfg.optim.grad_clip,
-                )
+                parts.run_step(micro_batches, cfg.optim.grad_clip)
             del micro_batches
     return _peak_of(prof, f"plan_check_step_{steps - 1}")
 
