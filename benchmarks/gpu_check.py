@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.table import write_json
+from benchmarks.table import write_json, write_text
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "benchmarks" / "results"
@@ -323,8 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     table = markdown(report)
     write_json(json_path, report)
-    md_path.with_name(f".{md_path.name}.tmp").write_text(table)
-    md_path.with_name(f".{md_path.name}.tmp").replace(md_path)
+    write_text(md_path, table)
     print(table)
     print(f"wrote {json_path} and {md_path}", file=sys.stderr)
     # Non-zero when a section that ran failed or ran out of time (a skipped one is not).

@@ -44,7 +44,12 @@ def machine() -> dict[str, Any]:
 
 def write_json(path: Path, payload: Any) -> None:
     """Write `payload` as indented JSON to `path` atomically (a temporary file, renamed)."""
+    write_text(path, json.dumps(payload, indent=2) + "\n")
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically (a temporary file, renamed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.write_text(text)
     tmp.replace(path)
