@@ -34,7 +34,7 @@ from test_head import (  # noqa: E402
 )
 
 from recognition.config import ConfigError, config_from_dict  # noqa: E402
-from recognition.heads import ShardedMarginSoftmax  # noqa: E402
+from recognition.heads import ShardedMarginSoftmax, triton_stats  # noqa: E402
 from recognition.heads import margin_softmax as head_module  # noqa: E402
 from recognition.heads.margins import ArcFace, CosFace  # noqa: E402
 
@@ -105,7 +105,7 @@ class RecordedKernel:
 def test_deterministic_mode_reduces_without_atomics_and_repeats_bitwise(monkeypatch):
     # The interpreter runs programs one after another, so atomics give the same bits too:
     # which reduction ran is told by the kernel's ATOMIC constexpr, recorded at launch.
-    kernels = head_module._triton_kernels()
+    kernels = triton_stats.triton_kernels()
     recorded = RecordedKernel(kernels._grad_embeddings_kernel)
     monkeypatch.setattr(kernels, "_grad_embeddings_kernel", recorded)
     torch.manual_seed(3)
@@ -134,14 +134,14 @@ def gpu_shaped_tiles(*args):
     """Tiles shaped as on a GPU, small enough for EMBEDDING_SIZE: the dimension summed in two
     BLOCK_D steps (the second partly padding), the weight-gradient epilogue in pieces (4 asked
     for; 2 made, as a piece is at least 16 wide)."""
-    kernels = head_module._triton_kernels()
+    kernels = triton_stats.triton_kernels()
     tiles = kernels.KernelTiles(block_c=16, block_n=16, block_d=16, num_warps=4, num_stages=2)
     return kernels.TileConfig(tiles, tiles, tiles, target_programs=6, epilogue_splits=4)
 
 
 @pytest.mark.parametrize("sample_rate", [1.0, 0.3])
 def test_gpu_shaped_tiles_match_torch_path_and_fused_update(sample_rate, monkeypatch):
-    kernels = head_module._triton_kernels()
+    kernels = triton_stats.triton_kernels()
     monkeypatch.setattr(kernels, "default_tiles", gpu_shaped_tiles)
     torch.manual_seed(13)
     fast, slow = triton_and_torch_heads(129, ArcFace(s=16.0), sample_rate=sample_rate, seed=2)
@@ -167,7 +167,7 @@ def test_gpu_shaped_tiles_match_torch_path_and_fused_update(sample_rate, monkeyp
 
 
 def test_tile_config_rejects_what_the_compiler_would_refuse():
-    kernels = head_module._triton_kernels()
+    kernels = triton_stats.triton_kernels()
     good = kernels.KernelTiles(block_c=32, block_n=64, block_d=64, num_warps=8, num_stages=2)
     kernels.TileConfig(good, good, good)
     bad = [
@@ -384,9 +384,9 @@ def test_config_rejects_unknown_kernel():
 
 def test_auto_uses_torch_and_logs_once(caplog, monkeypatch):
     calls = []
-    original = head_module._TritonClassStats.apply
+    original = head_module.TritonClassStats.apply
     monkeypatch.setattr(
-        head_module._TritonClassStats, "apply", lambda *a: calls.append(1) or original(*a)
+        head_module.TritonClassStats, "apply", lambda *a: calls.append(1) or original(*a)
     )
     head = ShardedMarginSoftmax(20, EMBEDDING_SIZE, CosFace())
     assert head.kernel == "auto"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_head import assert_close_rel, make_batch, run_head
 
-from recognition.heads import ShardedMarginSoftmax, build_head, tuning
+from recognition.heads import ShardedMarginSoftmax, build_head, triton_stats, tuning
 from recognition.heads import margin_softmax as head_module
 from recognition.heads.margins import CosFace
 
@@ -179,9 +179,9 @@ def test_auto_on_a_gpu_measures_once_logs_and_caches(
     timer = FakeTimer(torch_s, triton_s)
     monkeypatch.setattr(tuning, "time_steps", timer)
     applied = []
-    real_apply = head_module._TritonClassStats.apply
+    real_apply = head_module.TritonClassStats.apply
     monkeypatch.setattr(
-        head_module._TritonClassStats, "apply", lambda *a: applied.append(1) or real_apply(*a)
+        head_module.TritonClassStats, "apply", lambda *a: applied.append(1) or real_apply(*a)
     )
     torch.manual_seed(0)
     head = ShardedMarginSoftmax(40, 24, CosFace(s=16.0), tuning_cache=tmp_path)
@@ -254,7 +254,7 @@ def per_thread(kernel, d_pad, c, n, d, warps):
 
 
 def test_candidates_fit_where_the_table_fits(tiling):
-    kernels = head_module._triton_kernels()
+    kernels = triton_stats.triton_kernels()
     for d_pad in (128, 512, 1024):
         for operands in kernels.OPERAND_KINDS:
             table = kernels.gpu_tiles(d_pad, 132, operands)
@@ -285,7 +285,7 @@ def small_shape(tiling, **changes):
 
 
 def test_tuning_keeps_the_fastest_candidate_that_runs(tiling):
-    kernels = head_module._triton_kernels()
+    kernels = triton_stats.triton_kernels()
     small = kernels.KernelTiles(16, 16, 16, 1, 1)
     wide = kernels.KernelTiles(32, 16, 32, 1, 1)
     table = kernels.TileConfig(small, small, small, target_programs=4)
@@ -312,7 +312,7 @@ def test_tuning_keeps_the_fastest_candidate_that_runs(tiling):
 
 
 def test_tiles_are_timed_once_then_cached_per_shape(tiling, tmp_path, monkeypatch, caplog):
-    kernels = head_module._triton_kernels()
+    kernels = triton_stats.triton_kernels()
     tiles = [kernels.KernelTiles(16, 16, 16, 1, 1), kernels.KernelTiles(32, 16, 16, 1, 1)]
     table = kernels.TileConfig(tiles[0], tiles[0], tiles[0], target_programs=4)
     monkeypatch.setattr(kernels, "default_tiles", lambda device, dim, dtype: table)
@@ -355,7 +355,7 @@ def test_tiles_are_timed_once_then_cached_per_shape(tiling, tmp_path, monkeypatc
 
 
 def test_nothing_is_tuned_on_the_cpu_or_for_small_problems(tiling):
-    kernels = head_module._triton_kernels()
+    kernels = triton_stats.triton_kernels()
 
     def timer(run):
         raise AssertionError("timed")

@@ -1,0 +1,153 @@
+"""The Triton path of the head's local statistics: `TritonClassStats`, the autograd function
+that computes what `local_stats.LocalClassStats` computes on the fused kernels of
+`heads/kernels/margin_softmax_triton.py`, and `FusedSGD`, which hands torch.optim.SGD's
+step to the weight-gradient kernel (head.fused_update). `recognition.heads.margin_softmax`
+chooses between the two paths and applies the margin and the collectives.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from recognition.heads.local_stats import (
+    add_target_rows_,
+    l2_normalize,
+    l2_normalize_backward,
+    norm_eps,
+    target_positions,
+)
+
+
+def triton_kernels() -> ModuleType:
+    """heads/kernels/margin_softmax_triton, imported on first use (it reads TRITON_INTERPRET)."""
+    return importlib.import_module("recognition.heads.kernels.margin_softmax_triton")
+
+
+class FusedSGD:
+    """What the Triton backward needs to apply torch.optim.SGD's step to the head's rows.
+
+    Reads lr, momentum, weight decay and Nesterov from the optimizer's parameter group at
+    every step (so the LR schedule applies), and keeps the momentum buffer in the
+    optimizer's own state (`optimizer.state[weight]["momentum_buffer"]`, float32), so that
+    checkpoints hold what they hold without the fused update.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, param: nn.Parameter) -> None:
+        self.optimizer = optimizer
+        self.param = param
+        self.group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+
+    @property
+    def kind(self) -> str:
+        """The variant of the update the kernel applies: sgd, momentum or nesterov."""
+        if self.group["momentum"] == 0:
+            return "sgd"
+        return "nesterov" if self.group["nesterov"] else "momentum"
+
+    def update(self, kernels: ModuleType) -> Any:
+        group = self.group
+        buffer = None
+        if group["momentum"] != 0:
+            state = self.optimizer.state[self.param]
+            buffer = state.get("momentum_buffer")
+            if buffer is None:  # zero before the first step: the first buffer is the step
+                buffer = torch.zeros_like(self.param, dtype=torch.float32)
+                state["momentum_buffer"] = buffer
+            if buffer.dtype != torch.float32 or not buffer.is_contiguous():
+                raise ValueError("head.fused_update: the momentum buffer must be dense float32")
+        return kernels.SGDUpdate(
+            lr=float(group["lr"]),
+            momentum=float(group["momentum"]),
+            weight_decay=float(group["weight_decay"]),
+            nesterov=bool(group["nesterov"]),
+            momentum_buffer=buffer,
+        )
+
+
+class TritonClassStats(torch.autograd.Function):
+    """`LocalClassStats` (same inputs and outputs) on the fused Triton kernels.
+
+    Statistics in float32 only. The target cosine is computed as in `LocalClassStats`; the
+    non-target statistics and their gradient come from the kernels, launched with `tiles`
+    (a TileConfig, from `ShardedMarginSoftmax._triton_tiles`). With `fused` (a
+    `FusedSGD`), backward applies the SGD step to the taking-part rows of `weight` in place
+    - the kernel's share and the target rows' share together - and returns no gradient for
+    the weight.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        norm_embeddings: Tensor,
+        weight: Tensor,
+        row_index: Tensor | None,
+        target_row: Tensor,
+        scale: float,
+        matmul_dtype: torch.dtype,
+        fused: FusedSGD | None,
+        tiles: Any,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        kernels = triton_kernels()
+        with torch.autocast(norm_embeddings.device.type, enabled=False):
+            norm_embeddings = norm_embeddings.contiguous()
+            owned = target_row >= 0
+            target_rows = l2_normalize(weight[target_row.clamp(min=0)].float())  # (N, D)
+            target_cos = torch.where(owned, (norm_embeddings * target_rows).sum(dim=1), 0.0)
+            target_pos = target_positions(row_index, target_row, owned)
+            inv_norm = kernels.inverse_norms(weight, row_index, norm_eps(weight.dtype))  # (K,)
+            row_max, row_sumexp = kernels.class_stats(
+                norm_embeddings, weight, row_index, inv_norm, target_pos, scale, matmul_dtype,
+                tiles,
+            )  # fmt: skip
+        ctx.save_for_backward(
+            norm_embeddings, weight, row_index, target_row, target_rows, target_pos, inv_norm,
+            row_max,
+        )  # fmt: skip
+        ctx.scale, ctx.matmul_dtype, ctx.tiles, ctx.fused = scale, matmul_dtype, tiles, fused
+        ctx.mark_non_differentiable(row_max)
+        return row_max, row_sumexp, target_cos
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx,
+        grad_max: Tensor,
+        grad_sumexp: Tensor,
+        grad_target_cos: Tensor,
+    ) -> tuple[Tensor | None, ...]:
+        del grad_max  # a constant shift (see LocalClassStats)
+        kernels = triton_kernels()
+        (norm_embeddings, weight, row_index, target_row, target_rows, target_pos, inv_norm,
+         row_max) = ctx.saved_tensors  # fmt: skip
+        fused: FusedSGD | None = ctx.fused
+        want_weight = ctx.needs_input_grad[1] or fused is not None
+        owned = target_row >= 0
+        # The target cosine's share, as LocalClassStats computes it; before the kernels,
+        # since a fused update overwrites the weight.
+        grad_target = torch.where(owned, grad_target_cos, 0.0)[:, None]  # (N, 1)
+        target_grad_rows = None
+        if want_weight:
+            raw_rows = weight[target_row.clamp(min=0)].float()
+            target_grad_rows = l2_normalize_backward(raw_rows, grad_target * norm_embeddings)
+        target_grad = None
+        if fused is not None:  # one summed gradient per distinct target row
+            rows, inverse = torch.unique(target_row[owned], return_inverse=True)
+            summed = target_grad_rows.new_zeros((rows.numel(), weight.shape[1]))
+            target_grad = (rows, summed.index_add_(0, inverse, target_grad_rows[owned]))
+        grad_embeddings, grad_weight = kernels.class_stats_backward(
+            norm_embeddings, weight, row_index, inv_norm, target_pos, row_max, grad_sumexp,
+            ctx.scale, ctx.matmul_dtype, ctx.tiles, want_weight=want_weight,
+            target_grad=target_grad,
+            sgd=fused.update(kernels) if fused is not None else None,
+            norm_limit=1.0 / norm_eps(weight.dtype),
+        )  # fmt: skip
+        grad_embeddings += grad_target * target_rows
+        if grad_weight is not None:
+            add_target_rows_(grad_weight, target_row, target_grad_rows)
+        return grad_embeddings, grad_weight, None, None, None, None, None, None
