@@ -123,13 +123,22 @@ def test_files() -> list[str]:
     return first + [f for f in files if f not in first]
 
 
+def pytest_env() -> dict[str, str]:
+    """The environment the CUDA tests run in: conftest.py makes `auto` the GPU inside them;
+    the interpreter setting is conftest's own."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["RECOGNITION_AUTO_DEVICE"] = "cuda"
+    # Wide enough for the short summary's reasons: pytest drops a failure's message when
+    # the test id alone fills the terminal's width, 80 columns without a terminal.
+    env["COLUMNS"] = "400"
+    return env
+
+
 def section_tests(run: SectionRun) -> None:
     log = run.scratch / "pytest.log"
     command = [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-rfE", "-p",
                "no:cacheprovider", *test_files()]  # fmt: skip
-    # conftest.py makes `auto` the GPU inside CUDA tests; the interpreter setting is its own.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["RECOGNITION_AUTO_DEVICE"] = "cuda"
+    env = pytest_env()
     start = time.monotonic()
     code, timed_out = run_command(command, log, run.time_left() - 2, env)
     results = parse_pytest(log.read_text(errors="replace"))

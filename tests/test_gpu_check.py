@@ -324,3 +324,19 @@ def test_a_plan_that_fails_is_a_failed_row_and_the_section_goes_on(tmp_path):
     gpu_sections._plan_row(run, plan, ["model.backbone=no_such_net"], {"steady_memory_mib": 1})
     [row] = run.rows
     assert row["status"] == "failed" and "no_such_net" in row["result"], row
+
+
+def test_a_failed_test_keeps_its_reason_however_long_its_id(tmp_path):
+    # Without a terminal pytest's width is 80 columns, and it drops a failure's message from
+    # the short summary when the id fills that: the first GPU check's rows said "failed"
+    # and nothing more. Run as the tests section runs pytest.
+    name = "test_" + "a_name_as_long_as_the_suites_longest_ones_" * 2
+    (tmp_path / "test_long.py").write_text(f"def {name}():\n    assert 1 + 1 == 3\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider",
+         str(tmp_path / "test_long.py")],
+        capture_output=True, text=True, env=gpu_sections.pytest_env(), cwd=tmp_path,
+    )  # fmt: skip
+    [test] = gpu_sections.parse_pytest(done.stdout)
+    assert test["outcome"] == "FAILED"
+    assert test["reason"] == "assert (1 + 1) == 3"

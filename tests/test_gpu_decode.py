@@ -336,11 +336,20 @@ def test_training_losses_equal_with_either_decoder(tmp_path: Path, monkeypatch):
 # ---------------------------------------------------------------------- on a GPU (skipped here)
 
 
+# nvJPEG rounds its IDCT and upsamples chroma its own way. Measured on an H200 (torch 2.11,
+# torchvision 0.26) on the synthetic faces below: a mean of 2.04 levels of 255 and a maximum of
+# 107 (at sharp colour edges, where 4:2:0 chroma upsampling differs most). What these tests
+# are for moves the mean much further (measured on the CPU on the same images): a 3x3 blur
+# 4.1, a one-pixel shift 7.3, red and blue swapped 39, a wrong flip 48. So the mean is
+# bounded between the two, and the maximum, which a one-pixel shift and nvJPEG's chroma both
+# take past 100, is not.
+NVJPEG_MEAN_LEVELS = 3.0
+
+
 @needs_cuda
 def test_nvjpeg_batches_match_the_cpu_path_within_tolerance(tmp_path: Path):
     """nvJPEG against libjpeg-turbo on the same files: same labels and flips, pixels within
-    2 levels on average and 48 at most (of 255; chroma upsampling differs at sharp edges).
-    The differences measured are printed (pytest -s)."""
+    NVJPEG_MEAN_LEVELS on average. The differences measured are printed (pytest -s)."""
     from recognition.data.synthetic import SyntheticSpec, ensure_synthetic_dataset
 
     ensure_synthetic_dataset(tmp_path / "synthetic", SyntheticSpec.training_set(16, 8))
@@ -359,14 +368,17 @@ def test_nvjpeg_batches_match_the_cpu_path_within_tolerance(tmp_path: Path):
     assert labels.cpu().tolist() == [int(source.labels[i]) for i, _ in keys]
     levels = (images.cpu() - expected).abs() * 127.5  # [-1, 1] back to 0..255 levels
     print(f"nvJPEG vs PIL: mean {levels.mean():.3f}, max {levels.max():.1f} levels")
-    assert levels.mean() <= 2.0 and levels.max() <= 48.0
+    assert levels.mean() <= NVJPEG_MEAN_LEVELS
+    mirrored = (images.cpu().flip(-1) - expected).abs() * 127.5
+    assert mirrored.mean() > 4 * NVJPEG_MEAN_LEVELS  # the bound does tell a wrong flip apart
 
 
 @needs_cuda
 def test_training_with_nvjpeg_steps_on_the_cpu_paths_batches(tmp_path: Path, monkeypatch):
     """10 steps on a CUDA device with data.decode=gpu and with cpu: the training step gets
     the same labels and, within the decoders' levels (as above), the same images, and the
-    losses are finite. The losses themselves are not compared: this tiny untrained run
+    losses are finite. The memory check is off: its planner steps the model too, on fake
+    tensors, and would add a batch to those recorded. The losses themselves are not compared: this tiny untrained run
     moves its first loss by 1-3 % for inputs changed by a level or two, and its later ones
     by tens of % (measured on the CPU with noise in place of nvJPEG's differences)."""
     import recognition.training.build as build_module
@@ -383,11 +395,12 @@ def test_training_with_nvjpeg_steps_on_the_cpu_paths_batches(tmp_path: Path, mon
 
         monkeypatch.setattr(build_module, "train_step", step)
         overrides = tiny_run(data, tmp_path / decode, decode)
-        overrides += ["train.device=cuda", "train.max_steps=10"]
+        overrides += ["train.device=cuda", "train.max_steps=10", "train.memory_check=false"]
         run_losses = losses(train(load_config("default", overrides)))
         assert len(run_losses) == 10 and all(np.isfinite(run_losses)), run_losses
     assert len(batches["gpu"]) == len(batches["cpu"]) == 10
     for (gpu, gpu_labels), (cpu, cpu_labels) in zip(batches["gpu"], batches["cpu"], strict=True):
         assert torch.equal(gpu_labels, cpu_labels)
         levels = (gpu - cpu).abs() * 127.5
-        assert levels.mean() <= 2.0 and levels.max() <= 48.0
+        print(f"nvJPEG vs PIL: mean {levels.mean():.3f}, max {levels.max():.1f} levels")
+        assert levels.mean() <= NVJPEG_MEAN_LEVELS

@@ -448,3 +448,15 @@ def test_memory_check_plans_a_pipeline():
     with pytest.raises(TrainingError) as info:
         check_memory(cfg, DistInfo(rank=0, world_size=2), 20_000, device_memory=1)
     assert "the largest train.batch_size that fits is none" in str(info.value)
+
+
+def test_a_plan_logs_no_kernel_choice(caplog):
+    # The plan steps the head on fake CPU tensors: with head.kernel=auto the head would log
+    # "auto: torch (... this forward is on cpu)" into a GPU run's log, before the run's own
+    # choice (the GPU check read that line as the run's). The plan takes torch silently.
+    cfg = tiny("head.chunk_size=4096")
+    assert cfg.head.kernel == "auto"
+    with caplog.at_level("INFO"):
+        plan = plan_rank(cfg, 20_000, 1, 0, detailed=False)
+    assert plan.peak > 0
+    assert "head.kernel" not in caplog.text

@@ -309,6 +309,11 @@ def _build(
             "head.kernel=torch and a head.chunk_size (the kernel's memory is at most that "
             "of the chunked torch path)"
         )
+    if cfg.head.kernel == "auto":
+        # The torch path, which auto takes wherever it does not measure: the plan's fake CPU
+        # tensors would make the head log that choice, which is not the run's, into the
+        # run's log. On a GPU where auto takes Triton, the plan counts at most its memory.
+        cfg = dataclasses.replace(cfg, head=dataclasses.replace(cfg.head, kernel="torch"))
     # Parameters in the contiguous format: a channels-last copy has the same bytes, and
     # Module.to cannot convert fake parameters. The batch keeps the run's format.
     return build_model(
