@@ -39,8 +39,9 @@ the next. Per rank it reports:
 
 `--kernel torch|triton` picks the sharded head's implementation (`head.kernel`; triton needs
 CUDA, or runs in Triton's interpreter on CPU for a tiny smoke size), `--fused-update` makes
-its backward apply the SGD step (`head.fused_update`, triton only). 'useful TFLOP/s' is
-6 N D C_rank / step time (the forward and backward matmuls a step needs, whatever is
+its backward apply the SGD step (`head.fused_update`, triton only), `--backward gemm|fused`
+which backward the Triton path runs (heads/kernels/tiles.py; gemm is the default). 'useful
+TFLOP/s' is 6 N D C_rank / step time (the forward and backward matmuls a step needs, whatever is
 recomputed) and '% mm' is that against a plain matmul of the same size as the head's, timed
 in the same process right after the steps: embeddings (N, D) times class rows (D, C_rank) in
 the matmul dtype (the autocast dtype, else float32), after the head's memory is freed; for
@@ -68,7 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from benchmarks.memory import proc_status_kib, reset_peak_rss, set_mmap_threshold
@@ -99,6 +100,7 @@ class Case:
     autocast: str | None
     kernel: str = "torch"
     fused_update: bool = False
+    backward: str = "gemm"  # the Triton head's backward (heads/kernels/tiles.py)
 
 
 # ---------------------------------------------------------------- measurement helpers
@@ -150,6 +152,16 @@ class CommCounter:
 # ---------------------------------------------------------------- the methods
 
 
+def use_backward(name: str) -> None:
+    """The Triton head's backward in this process ("gemm", the default, or "fused"): the
+    kernels' default tiles with that backward (a case runs in a process of its own)."""
+    from recognition.heads.kernels import margin_softmax_triton as kernels
+
+    table = getattr(use_backward, "table", kernels.default_tiles)
+    use_backward.table = table  # type: ignore[attr-defined]
+    kernels.default_tiles = lambda *args: replace(table(*args), backward=name)
+
+
 def _build(case: Case, rank: int, device):
     """Returns step(), a function running one training step, and the rank's class count."""
     import torch
@@ -176,6 +188,7 @@ def _build(case: Case, rank: int, device):
         return torch.autocast(device.type, dtype=getattr(torch, case.autocast))
 
     if case.method.startswith("sharded"):
+        use_backward(case.backward)
         chunk = case.chunk_size if case.method == "sharded-chunked" else None
         # Made and drawn on the device: 10M classes drawn on one CPU thread and copied over
         # would take about a minute per case (and the largest-class search, every try).
@@ -594,6 +607,10 @@ def main(argv: list[str] | None = None) -> int:
         "--fused-update", action="store_true", help="the backward applies SGD (triton only)"
     )
     parser.add_argument(
+        "--backward", default="gemm", choices=["gemm", "fused"],
+        help="the Triton head's backward (triton only)",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-classes-search", action="store_true", help="search the largest classes that fit"
     )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -622,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
                 cases.append(
                     Case(method, world_size, num_classes, args.batch_size, args.embedding_size,
                          args.chunk_size, args.steps, args.warmup, args.threads, args.device,
-                         args.autocast, args.kernel, args.fused_update)
+                         args.autocast, args.kernel, args.fused_update, args.backward)
                 )  # fmt: skip
     results = []
     for case in cases:

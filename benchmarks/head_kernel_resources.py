@@ -3,10 +3,11 @@
     python -m benchmarks.head_kernel_resources                  # D = 128 256 512 1024, sm_90
     python -m benchmarks.head_kernel_resources --dims 512 --matmul-dtypes bfloat16 --json r.json
 
-Every kernel variant that the host wrappers of heads/kernels/margin_softmax_triton.py launch
-(forward; embedding gradient with atomics or deterministic; weight gradient plain or with
-the fused SGD update, with and without momentum, Nesterov and the target rows' share; each
-with and without the partial-FC row index) is compiled ahead of time for the target GPU by
+Every kernel variant that the host wrappers of heads/kernels/ launch (forward; the fused
+backward's embedding gradient with atomics or deterministic and its weight gradient plain or
+with the fused SGD update, with and without momentum, Nesterov and the target rows' share;
+the GEMM backward's gradient of the logits and its row epilogue, plain or fused likewise;
+each with and without the partial-FC row index) is compiled ahead of time for the target GPU by
 Triton's own compiler and the ptxas it ships, at the default tiles (`gpu_tiles`), with the
 arguments the wrappers would pass: the wrappers are run on meta tensors with the kernel
 launches recorded instead of made. For each variant it prints the dynamic shared memory
@@ -30,7 +31,7 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from benchmarks import table
@@ -56,6 +57,8 @@ class Launch:
                                      "HAS_EXTRA") if self.constexprs.get(k)]  # fmt: skip
         if "ATOMIC" in self.constexprs and not self.constexprs["ATOMIC"]:
             flags.append("deterministic")
+        if name == "forward":  # the weight's rows (fused backward) or a rounded chunk's
+            flags.append(f"{str(self.args[0].dtype).removeprefix('torch.')} rows")
         return " ".join([name, *flags])
 
 
@@ -94,18 +97,22 @@ class _Recorder:
 
 
 @contextlib.contextmanager
-def recorded_launches(kernels):
-    """Within the block, the module's kernel launches are recorded into the list yielded."""
-    names = ("_forward_kernel", "_grad_embeddings_kernel", "_grad_weight_kernel")
-    originals = {name: getattr(kernels, name) for name in names}
+def recorded_launches():
+    """Within the block, the head's kernel launches are recorded into the list yielded."""
+    from recognition.heads.kernels import forward, fused_backward, gemm_backward
+
+    names = [(forward, "_forward_kernel"), (fused_backward, "_grad_embeddings_kernel"),
+             (fused_backward, "_grad_weight_kernel"), (gemm_backward, "_grad_logits_kernel"),
+             (gemm_backward, "_finish_kernel")]  # fmt: skip
+    originals = {(module, name): getattr(module, name) for module, name in names}
     launches: list[Launch] = []
-    for name, kernel in originals.items():
-        setattr(kernels, name, _Recorder(kernel, launches))
+    for (module, name), kernel in originals.items():
+        setattr(module, name, _Recorder(kernel, launches))
     try:
         yield launches
     finally:
-        for name, kernel in originals.items():
-            setattr(kernels, name, kernel)
+        for (module, name), kernel in originals.items():
+            setattr(module, name, kernel)
 
 
 def launches_for(dim: int, weight_dtype, matmul: str, num_rows: int, num_sms: int) -> list[Launch]:
@@ -137,20 +144,23 @@ def launches_for(dim: int, weight_dtype, matmul: str, num_rows: int, num_sms: in
     updates = [(None, None), (sgd(0.0, False), target_grad), (sgd(0.9, False), target_grad),
                (sgd(0.9, True), target_grad), (sgd(0.9, False), no_target_grad)]  # fmt: skip
     deterministic = torch.are_deterministic_algorithms_enabled()
-    with recorded_launches(kernels) as launches:
+    with recorded_launches() as launches:
         try:
             for row_index in (None, index):
                 num_taking_part = num_classes if row_index is None else row_index.numel()
                 inv_norm = torch.empty(num_taking_part, **meta)
                 common = (embeddings, weight, row_index, inv_norm, target_pos)
-                kernels.class_stats(*common, 64.0, matmul_dtype, tiles)
-                for ordered in (False, True):
-                    torch.use_deterministic_algorithms(ordered)
-                    for update, extra in updates:
-                        kernels.class_stats_backward(
-                            *common, row_max, row_max, 64.0, matmul_dtype, tiles,
-                            target_grad=extra, sgd=update,
-                        )  # fmt: skip
+                for backward, ordering in (("fused", (False, True)), ("gemm", (False,))):
+                    kernels.class_stats(
+                        *common, 64.0, matmul_dtype, replace(tiles, backward=backward)
+                    )
+                    for ordered in ordering:
+                        torch.use_deterministic_algorithms(ordered)
+                        for update, extra in updates:
+                            kernels.class_stats_backward(
+                                *common, row_max, row_max, 64.0, matmul_dtype,
+                                replace(tiles, backward=backward), target_grad=extra, sgd=update,
+                            )  # fmt: skip
         finally:
             torch.use_deterministic_algorithms(deterministic)
     distinct: dict[str, Launch] = {}
@@ -264,8 +274,10 @@ def _measure(dims, weight_dtypes, matmul_dtypes, capability, num_rows, num_sms, 
                     if variants is not None and launch.name not in variants:
                         continue
                     c = launch.constexprs
+                    # The row epilogue of the GEMM backward holds (rows, D) tiles, no K-loop.
+                    shape = [c["BLOCK_C"], c.get("BLOCK_N", c["D_PAD"]), c.get("BLOCK_D")]
                     tiles = (
-                        f"{c['BLOCK_C']}x{c['BLOCK_N']}x{c['BLOCK_D']} "
+                        f"{'x'.join(str(v) for v in shape if v is not None)} "
                         f"w{launch.num_warps} s{launch.num_stages}"
                     )
                     if "EPILOGUE_SPLITS" in c:

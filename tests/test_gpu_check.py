@@ -268,10 +268,11 @@ def test_smoke_runs_every_section_or_says_why_not(smoke):
 def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
     report = json.loads(smoke[1].read_text())
     head = rows_of(report, "head")
-    for label in ("triton", "torch", "triton + fused update"):
+    for label in ("triton", "torch", "triton + fused update", "triton, fused backward"):
         row = head[f"{label}, 512 classes"]
         assert row["status"] == "ok" and row["data"]["ms_per_step"] > 0, row
         assert row["data"]["case"]["kernel"] == ("torch" if label == "torch" else "triton")
+        assert row["data"]["case"]["backward"] == ("fused" if "backward" in label else "gemm")
     assert head["largest class count, fused update"]["status"] == "skipped"
     throughput = rows_of(report, "throughput")
     model_rate = throughput["model only, eager"]["data"]["images_per_s"]

@@ -378,9 +378,10 @@ def test_training_with_nvjpeg_steps_on_the_cpu_paths_batches(tmp_path: Path, mon
     """10 steps on a CUDA device with data.decode=gpu and with cpu: the training step gets
     the same labels and, within the decoders' levels (as above), the same images, and the
     losses are finite. The memory check is off: its planner steps the model too, on fake
-    tensors, and would add a batch to those recorded. The losses themselves are not compared: this tiny untrained run
-    moves its first loss by 1-3 % for inputs changed by a level or two, and its later ones
-    by tens of % (measured on the CPU with noise in place of nvJPEG's differences)."""
+    tensors, and would add a batch to those recorded. The losses themselves are not
+    compared: this tiny untrained run moves its first loss by 1-3 % for inputs changed by a
+    level or two, and its later ones by tens of % (measured on the CPU with noise in place
+    of nvJPEG's differences)."""
     import recognition.training.build as build_module
 
     data = make_folder(tmp_path / "faces", identities=6, per=10)

@@ -19,6 +19,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import dataclasses  # noqa: E402
 import logging  # noqa: E402
 
 import pytest  # noqa: E402
@@ -36,10 +37,31 @@ from test_head import (  # noqa: E402
 from recognition.config import ConfigError, config_from_dict  # noqa: E402
 from recognition.heads import ShardedMarginSoftmax, triton_stats  # noqa: E402
 from recognition.heads import margin_softmax as head_module  # noqa: E402
+from recognition.heads.kernels import forward, fused_backward, gemm_backward  # noqa: E402
 from recognition.heads.margins import ArcFace, CosFace  # noqa: E402
 
 EMBEDDING_SIZE = 24  # not a power of two: the kernels pad D to 32
 MARGINS = {case[0]: case for case in MARGIN_CASES}
+
+
+def use_backward(monkeypatch, name: str, tiles=None) -> None:
+    """The heads made after this run backward `name` ("gemm"; "fused"), on `tiles` (a
+    function as default_tiles) or the interpreter's, the forward and the GEMM backward in
+    chunks of one tile of classes, so that every test crosses chunks."""
+    kernels = triton_stats.triton_kernels()
+    table = tiles or kernels.default_tiles
+    monkeypatch.setattr(
+        kernels, "default_tiles", lambda *args: dataclasses.replace(table(*args), backward=name)
+    )
+    monkeypatch.setattr(gemm_backward, "CHUNK_LOGITS", 1)
+    monkeypatch.setattr(forward, "CHUNK_ROW_VALUES", 1)
+
+
+@pytest.fixture(params=["gemm", "fused"])
+def backward(request, monkeypatch) -> str:
+    """Each test that takes it runs with either backward (see use_backward)."""
+    use_backward(monkeypatch, request.param)
+    return request.param
 
 
 def triton_and_torch_heads(num_classes, margin, **kwargs):
@@ -68,7 +90,9 @@ SHAPE_CASES = [(7, 129, name) for name in MARGINS] + [
 
 
 @pytest.mark.parametrize(("batch_size", "num_classes", "margin_id"), SHAPE_CASES)
-def test_fp32_matches_float64_reference_and_torch_path(batch_size, num_classes, margin_id):
+def test_fp32_matches_float64_reference_and_torch_path(
+    batch_size, num_classes, margin_id, backward
+):
     _, make_margin, scale, psi = MARGINS[margin_id]
     torch.manual_seed(batch_size * 1000 + num_classes)
     fast, slow = triton_and_torch_heads(num_classes, make_margin())
@@ -103,11 +127,12 @@ class RecordedKernel:
 
 
 def test_deterministic_mode_reduces_without_atomics_and_repeats_bitwise(monkeypatch):
-    # The interpreter runs programs one after another, so atomics give the same bits too:
-    # which reduction ran is told by the kernel's ATOMIC constexpr, recorded at launch.
-    kernels = triton_stats.triton_kernels()
-    recorded = RecordedKernel(kernels._grad_embeddings_kernel)
-    monkeypatch.setattr(kernels, "_grad_embeddings_kernel", recorded)
+    # The fused backward's embedding gradient: atomics, or a fixed-order sum in deterministic
+    # mode. The interpreter runs programs one after another, so atomics give the same bits
+    # too: which reduction ran is told by the kernel's ATOMIC constexpr, recorded at launch.
+    use_backward(monkeypatch, "fused")
+    recorded = RecordedKernel(fused_backward._grad_embeddings_kernel)
+    monkeypatch.setattr(fused_backward, "_grad_embeddings_kernel", recorded)
     torch.manual_seed(3)
     head = ShardedMarginSoftmax(400, EMBEDDING_SIZE, CosFace(s=16.0), kernel="triton")
     embeddings, labels = make_labels_with_duplicates(400, 33, seed=4)
@@ -130,19 +155,35 @@ def test_deterministic_mode_reduces_without_atomics_and_repeats_bitwise(monkeypa
     assert_close_rel(first[1], ref_grad_e, 1e-5)
 
 
+def test_gemm_backward_repeats_bitwise_in_deterministic_mode(monkeypatch):
+    # No atomics: the chunks are summed in order, with or without deterministic mode.
+    use_backward(monkeypatch, "gemm")
+    torch.manual_seed(3)
+    head = ShardedMarginSoftmax(400, EMBEDDING_SIZE, CosFace(s=16.0), kernel="triton")
+    embeddings, labels = make_labels_with_duplicates(400, 33, seed=4)
+    free = run_head(head, embeddings, labels)
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = run_head(head, embeddings, labels)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(first, free, strict=True):
+        assert torch.equal(a, b)
+
+
 def gpu_shaped_tiles(*args):
     """Tiles shaped as on a GPU, small enough for EMBEDDING_SIZE: the dimension summed in two
-    BLOCK_D steps (the second partly padding), the weight-gradient epilogue in pieces (4 asked
-    for; 2 made, as a piece is at least 16 wide)."""
+    BLOCK_D steps (the second partly padding), the fused weight-gradient epilogue in pieces
+    (4 asked for; 2 made, as a piece is at least 16 wide)."""
     kernels = triton_stats.triton_kernels()
     tiles = kernels.KernelTiles(block_c=16, block_n=16, block_d=16, num_warps=4, num_stages=2)
     return kernels.TileConfig(tiles, tiles, tiles, target_programs=6, epilogue_splits=4)
 
 
+@pytest.mark.parametrize("name", ["gemm", "fused"])
 @pytest.mark.parametrize("sample_rate", [1.0, 0.3])
-def test_gpu_shaped_tiles_match_torch_path_and_fused_update(sample_rate, monkeypatch):
-    kernels = triton_stats.triton_kernels()
-    monkeypatch.setattr(kernels, "default_tiles", gpu_shaped_tiles)
+def test_gpu_shaped_tiles_match_torch_path_and_fused_update(sample_rate, name, monkeypatch):
+    use_backward(monkeypatch, name, gpu_shaped_tiles)
     torch.manual_seed(13)
     fast, slow = triton_and_torch_heads(129, ArcFace(s=16.0), sample_rate=sample_rate, seed=2)
     embeddings, labels = make_labels_with_duplicates(129, 33, seed=14)
@@ -189,7 +230,7 @@ def test_tile_config_rejects_what_the_compiler_would_refuse():
         kernels.gpu_tiles(512, 132, "fp8")
 
 
-def test_chunk_size_is_accepted_and_changes_nothing():
+def test_chunk_size_is_accepted_and_changes_nothing(backward):
     # The kernels never keep an (N, C) tensor: chunk_size has nothing left to bound.
     torch.manual_seed(5)
     head = ShardedMarginSoftmax(129, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
@@ -205,7 +246,7 @@ def test_chunk_size_is_accepted_and_changes_nothing():
 
 
 @pytest.mark.parametrize("half_weight", [False, True], ids=["autocast", "bf16_weight"])
-def test_bf16_operands_match_torch_path(half_weight):
+def test_bf16_operands_match_torch_path(half_weight, backward):
     torch.manual_seed(7)
     fast, slow = triton_and_torch_heads(129, CosFace(s=16.0))
     embeddings, labels = make_labels_with_duplicates(129, 33, seed=8)
@@ -229,7 +270,7 @@ def test_bf16_operands_match_torch_path(half_weight):
     assert abs(loss.item() - exact.item()) < 0.02 * exact.item()
 
 
-def test_partial_fc_matches_restricted_reference_and_torch_path():
+def test_partial_fc_matches_restricted_reference_and_torch_path(backward):
     torch.manual_seed(9)
     fast, slow = triton_and_torch_heads(300, ArcFace(s=16.0), sample_rate=0.3, seed=4)
     embeddings, labels = make_labels_with_duplicates(300, 7, seed=10)
@@ -256,7 +297,7 @@ def test_partial_fc_matches_restricted_reference_and_torch_path():
     ("sample_rate", "nesterov", "momentum"),
     [(1.0, False, 0.9), (1.0, True, 0.9), (0.3, False, 0.9), (1.0, False, 0.0)],
 )
-def test_fused_update_matches_torch_sgd_over_steps(sample_rate, nesterov, momentum):
+def test_fused_update_matches_torch_sgd_over_steps(sample_rate, nesterov, momentum, backward):
     torch.manual_seed(11)
     fast, slow = triton_and_torch_heads(150, ArcFace(s=16.0), sample_rate=sample_rate, seed=3)
     settings = {"momentum": momentum, "weight_decay": 5e-4, "nesterov": nesterov}
@@ -471,3 +512,29 @@ def test_triton_head_on_gloo_ranks_matches_single_process_reference(world_size, 
     import test_head_distributed as hd
 
     hd.assert_checks_pass_on_ranks(world_size, tmp_path, (check_triton_ranks,))
+
+
+def test_one_chunk_of_rounded_rows_at_a_time(monkeypatch):
+    # The rounded rows exist a chunk at a time in the forward and in the GEMM backward: the
+    # first GPU run of this path held every chunk of the forward at once (a bf16 copy of
+    # the shard, 9.6 GiB more at 10M classes).
+    import weakref
+
+    use_backward(monkeypatch, "gemm")
+    made, most_alive = [], [0]
+    original = forward.chunk_rows
+
+    def counted(*args):
+        most_alive[0] = max(most_alive[0], sum(ref() is not None for ref in made))
+        rows = original(*args)
+        made.append(weakref.ref(rows))
+        return rows
+
+    monkeypatch.setattr(forward, "chunk_rows", counted)
+    monkeypatch.setattr(gemm_backward, "chunk_rows", counted)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # rounded rows are copies
+        head = ShardedMarginSoftmax(1000, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
+        embeddings, labels = make_labels_with_duplicates(1000, 7, seed=12)
+        run_head(head, embeddings, labels)
+    assert len(made) == 2 * 8  # chunks of one 128-class tile, forward and backward
+    assert most_alive[0] <= 1  # the previous chunk, still named by the loop, at most

@@ -288,7 +288,7 @@ def test_tuning_keeps_the_fastest_candidate_that_runs(tiling):
     kernels = triton_stats.triton_kernels()
     small = kernels.KernelTiles(16, 16, 16, 1, 1)
     wide = kernels.KernelTiles(32, 16, 32, 1, 1)
-    table = kernels.TileConfig(small, small, small, target_programs=4)
+    table = kernels.TileConfig(small, small, small, target_programs=4, backward="fused")
     problem = tiling.ScratchProblem(torch.device("cpu"), small_shape(tiling))
     initial = problem.weight.clone()
     for name in tiling.KERNEL_NAMES:
@@ -314,7 +314,7 @@ def test_tuning_keeps_the_fastest_candidate_that_runs(tiling):
 def test_tiles_are_timed_once_then_cached_per_shape(tiling, tmp_path, monkeypatch, caplog):
     kernels = triton_stats.triton_kernels()
     tiles = [kernels.KernelTiles(16, 16, 16, 1, 1), kernels.KernelTiles(32, 16, 16, 1, 1)]
-    table = kernels.TileConfig(tiles[0], tiles[0], tiles[0], target_programs=4)
+    table = kernels.TileConfig(tiles[0], tiles[0], tiles[0], target_programs=4, backward="fused")
     monkeypatch.setattr(kernels, "default_tiles", lambda device, dim, dtype: table)
     monkeypatch.setattr(tiling, "should_tune", lambda device, shape: True)
     monkeypatch.setattr(tiling, "candidates", lambda name, d_pad, base: tiles)
@@ -327,7 +327,8 @@ def test_tiles_are_timed_once_then_cached_per_shape(tiling, tmp_path, monkeypatc
     cpu, cache = torch.device("cpu"), tuning.TuningCache(tmp_path)
     with caplog.at_level(logging.INFO, logger=tiling.__name__):
         config = tiling.tiles_for(cpu, small_shape(tiling), cache, timer)
-    assert len(times) == 6 and config == kernels.TileConfig(tiles[1], tiles[1], tiles[1], 4)
+    assert len(times) == 6
+    assert config == kernels.TileConfig(tiles[1], tiles[1], tiles[1], 4, backward="fused")
     assert sum("head tiles: " in r.getMessage() for r in caplog.records) == 3
     entries = cache.entries("tiles")
     assert sorted(e["key"]["kernel"] for e in entries) == sorted(tiling.KERNEL_NAMES)
@@ -354,6 +355,28 @@ def test_tiles_are_timed_once_then_cached_per_shape(tiling, tmp_path, monkeypatc
     assert any("ignoring the tuning cache" in r.getMessage() for r in caplog.records)
 
 
+def test_the_gemm_backward_tunes_only_the_forwards_tiles(tiling, tmp_path, monkeypatch):
+    # Its one Triton kernel runs on the forward's tiles; the fused kernels' are not used.
+    kernels = triton_stats.triton_kernels()
+    tiles = [kernels.KernelTiles(16, 16, 16, 1, 1), kernels.KernelTiles(32, 16, 16, 1, 1)]
+    table = kernels.TileConfig(tiles[0], tiles[0], tiles[0], target_programs=4)
+    assert table.backward == "gemm"
+    monkeypatch.setattr(kernels, "default_tiles", lambda device, dim, dtype: table)
+    monkeypatch.setattr(tiling, "should_tune", lambda device, shape: True)
+    monkeypatch.setattr(tiling, "candidates", lambda name, d_pad, base: tiles)
+    timed = []
+
+    def timer(run):
+        timed.append(1)
+        return 1e-3 if len(timed) % 2 == 0 else 2e-3
+
+    cache = tuning.TuningCache(tmp_path)
+    config = tiling.tiles_for(torch.device("cpu"), small_shape(tiling), cache, timer)
+    assert len(timed) == 2
+    assert config == kernels.TileConfig(tiles[1], tiles[0], tiles[0], 4)
+    assert [e["key"]["kernel"] for e in cache.entries("tiles")] == ["forward"]
+
+
 def test_nothing_is_tuned_on_the_cpu_or_for_small_problems(tiling):
     kernels = triton_stats.triton_kernels()
 
@@ -365,3 +388,43 @@ def test_nothing_is_tuned_on_the_cpu_or_for_small_problems(tiling):
     big = small_shape(tiling, num_rows=1024, dim=512, num_classes=1_000_000)
     assert not tiling.should_tune(cpu, big)
     assert tiling.MIN_TUNED_WORK > 128 * 1000 * 128  # the default run's head: never tuned
+
+
+def test_the_gemm_backwards_forward_tries_the_larger_tiles_ptxas_allowed(tiling):
+    # Rows rounded beforehand leave shared memory and registers to larger tiles than the
+    # footprint rule (drawn for rows rounded in the kernel) lets through: a K step of 64, a
+    # tile of 256 classes. The table's tiles come first; fp32 operands keep the rule.
+    kernels = triton_stats.triton_kernels()
+    table = kernels.gpu_tiles(512, 132, "half").forward
+    options = tiling.rounded_forward_candidates(table, torch.bfloat16, 512)
+    assert options[0] == table and len(options) == tiling.MAX_CANDIDATES
+    assert kernels.KernelTiles(128, 128, 64, 8, 3) in options
+    assert kernels.KernelTiles(256, 128, 64, 8, 3) in options
+    assert all(t.block_d <= 64 for t in tiling.rounded_forward_candidates(table, torch.float16, 64))
+    assert tiling.rounded_forward_candidates(table, torch.float32, 512) == tiling.candidates(
+        "forward", 512, table
+    )
+
+
+def test_the_forwards_tiles_are_kept_apart_per_backward(tiling, tmp_path, monkeypatch):
+    # The forward on rows rounded beforehand (GEMM backward) and on raw rows (fused
+    # backward) are two kernels for the compiler: tiles tuned for one are not the other's
+    # (the GPU check found the fused backward's forward reading the GEMM one's from memory).
+    kernels = triton_stats.triton_kernels()
+    tiles = [kernels.KernelTiles(16, 16, 16, 1, 1), kernels.KernelTiles(32, 16, 16, 1, 1)]
+    monkeypatch.setattr(tiling, "should_tune", lambda device, shape: True)
+    monkeypatch.setattr(tiling, "candidates", lambda name, d_pad, base: tiles)
+    timed = []
+
+    def timer(run):
+        timed.append(1)
+        return 1e-3 if len(timed) % 2 == 0 else 2e-3
+
+    cache = tuning.TuningCache(tmp_path)
+    for backward in ("gemm", "fused"):
+        table = kernels.TileConfig(tiles[0], tiles[0], tiles[0], 4, backward=backward)
+        monkeypatch.setattr(kernels, "default_tiles", lambda device, dim, dtype, t=table: t)
+        tiling.tiles_for(torch.device("cpu"), small_shape(tiling), cache, timer)
+    assert len(timed) == 2 + 6  # the fused backward's forward timed again
+    forward = [e["key"] for e in cache.entries("tiles") if e["key"]["kernel"] == "forward"]
+    assert sorted(k["class_rows"] for k in forward) == ["raw", "rounded"]

@@ -61,9 +61,9 @@ torch build passes messages to the kernel), and with several ranks the ranks' in
 statuses are all-gathered and asserted the same way.
 
 Kernels (`kernel`). "torch" is the code in this module. "triton" runs the local statistics
-and their gradient in the fused kernels of heads/kernels/margin_softmax_triton.py (class
-tiles, online softmax, backward recomputing the logits; no (N, C_local) tensor at all, so
-`chunk_size` has nothing left to bound and is not used), on CUDA tensors, or on CPU tensors
+and their gradient in the Triton kernels of heads/kernels/ (class tiles, online softmax; the
+backward writes the logits' gradient a chunk of classes at a time, at most 128 MiB, for
+cuBLAS's products; `chunk_size` is not used), on CUDA tensors, or on CPU tensors
 under TRITON_INTERPRET=1; float64 statistics fall back to torch with one log line. Only the
 Triton path can apply a fused SGD step in backward (`attach_fused_update`). "auto" decides by
 measurement: at its first forward on a CUDA device (kernels compiled, float32 statistics) it

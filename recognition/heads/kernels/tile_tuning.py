@@ -133,6 +133,28 @@ def candidates(kernel: str, d_pad: int, table, limit: int | None = None) -> list
     return chosen
 
 
+# The forward's tiles on class rows rounded to bf16 / fp16 beforehand (the GEMM backward's
+# forward and its gradient-of-logits kernel): larger than the footprint rule allows, which was
+# drawn for rows rounded in the kernel, and all without spills on sm_90 (ptxas through
+# benchmarks/head_kernel_resources.py, D 512, Triton 3.8: 98,304 to 147,456 bytes of shared
+# memory, 173 to 254 registers); 128x256x64 spilled and is not here.
+ROUNDED_FORWARD = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
+                   (128, 256, 32, 8, 3), (128, 128, 128, 8, 2))  # fmt: skip
+
+
+def rounded_forward_candidates(table_tiles, matmul_dtype: torch.dtype, d_pad: int) -> list:
+    """The table's forward tiles, then ROUNDED_FORWARD's with a D step within D, for half
+    operands (MAX_CANDIDATES in all); for fp32 operands (nothing rounded) the footprint
+    rule's `candidates`."""
+    kernels = _kernels()
+    if matmul_dtype not in (torch.bfloat16, torch.float16):
+        return candidates("forward", d_pad, table_tiles)
+    options = [table_tiles] + [
+        kernels.KernelTiles(*values) for values in ROUNDED_FORWARD if values[2] <= d_pad
+    ]
+    return list(dict.fromkeys(options))[:MAX_CANDIDATES]
+
+
 def _changes(tiles, table) -> int:
     return sum(getattr(tiles, f) != getattr(table, f) for f in asdict(table))
 
@@ -141,7 +163,7 @@ def operand_kind(device: torch.device, matmul_dtype: torch.dtype) -> str:
     """The matmul operands as the kernels take them: bf16, fp16, tf32 or fp32."""
     if matmul_dtype != torch.float32:
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(matmul_dtype, str(matmul_dtype))
-    return _kernels()._input_precision(matmul_dtype, device).replace("ieee", "fp32")
+    return _kernels().input_precision(matmul_dtype, device).replace("ieee", "fp32")
 
 
 def should_tune(device: torch.device, shape: TuneShape) -> bool:
@@ -169,8 +191,8 @@ def tiles_for(
         return _CONFIGS[launch]
     timer = timer or (lambda run: tuning.time_steps(run, device, repeats=5))
     chosen, problem = {}, None
-    for name in KERNEL_NAMES:
-        key = tile_key(name, device, shape)
+    for name in tuned_kernels(table):
+        key = tile_key(name, device, shape, table.backward)
         text = tuning._key_text(key)
         tiles = _TUNED.get(text)
         if tiles is None:
@@ -189,9 +211,17 @@ def tiles_for(
     return _CONFIGS[launch]
 
 
-def tile_key(kernel: str, device: torch.device, shape: TuneShape) -> dict:
+def tuned_kernels(table) -> tuple[str, ...]:
+    """The kernels whose tiles a launch with `table` uses: all three with the fused backward;
+    with the GEMM backward only the forward's (its gradient-of-logits kernel runs on them)."""
+    return KERNEL_NAMES if table.backward == "fused" else ("forward",)
+
+
+def tile_key(kernel: str, device: torch.device, shape: TuneShape, backward: str = "gemm") -> dict:
     """What one kernel's tiles are cached under: device, versions and the shapes (and the
-    variant) that kernel's time depends on."""
+    variant) that kernel's time depends on. The forward's depend on the backward: with the
+    GEMM one it reads class rows rounded beforehand, with the fused one the raw rows (a
+    different kernel for the compiler, with other tiles to try)."""
     key = {
         "kernel": kernel,
         "device": tuning.device_name(device),
@@ -203,6 +233,8 @@ def tile_key(kernel: str, device: torch.device, shape: TuneShape) -> dict:
         "operands": operand_kind(device, shape.matmul_dtype),
         "row_index": shape.has_index,
     }
+    if kernel == "forward":
+        key["class_rows"] = "rounded" if backward == "gemm" else "raw"
     if kernel == "grad_embeddings":
         key["deterministic"] = torch.are_deterministic_algorithms_enabled()
     if kernel == "grad_weight":
@@ -228,6 +260,9 @@ def tune_kernel(
     every candidate's {"tiles", "ms", "error"}."""
     kernels = _kernels()
     table_tiles = getattr(table, name)
+    if options is None and name == "forward" and table.backward == "gemm":
+        d_pad = kernels.padded_dim(problem.shape.dim)
+        options = rounded_forward_candidates(table_tiles, problem.shape.matmul_dtype, d_pad)
     if options is None:
         options = candidates(name, kernels.padded_dim(problem.shape.dim), table_tiles)
     timings, best, best_s = [], table_tiles, None

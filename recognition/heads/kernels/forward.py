@@ -1,0 +1,174 @@
+"""The forward kernel: max and sum-exp of the non-target logits of every row over the
+classes taking part (`class_stats`), and the inverse norms of their rows.
+
+With the GEMM backward (the default), the classes go a chunk at a time (`chunk_classes`: at
+most CHUNK_ROW_VALUES values of rows, 65,536 classes at D = 512): the chunk's rows -
+gathered through the partial-FC index, if any - are rounded to the matmul dtype on the host
+(`chunk_rows`), one pass over them per step. So the kernel reads its operands as the matrix
+units take them: on a Hopper GPU a tile then goes from shared memory straight to an
+asynchronous wgmma, one of them in flight while the next loads, where rows rounded in the
+kernel go through registers (a load, a conversion, a store back to shared memory and a
+fence) and each wgmma is waited for at once (what Triton 3.8 makes of the two for sm_90:
+python -m benchmarks.head_kernel_resources compiles them). Measured on an H200 at 1M classes
+(N 1024, D 512, bf16, tuned tiles): 2.9 ms on rounded chunks (about 370 TFLOP/s) against 4.0
+to 5.2 ms on raw rows (benchmarks/results/head_profile-*-nvidia-h200.md). With the fused backward, whose kernels round the raw rows as they
+recompute the logits, the forward reads the raw rows too, all classes in one launch.
+
+Over a chunk: a grid of (row blocks, class splits). Each program walks its split of the
+classes BLOCK_C at a time; for each tile, the logits (BLOCK_N, BLOCK_C) are summed over the
+embedding dimension BLOCK_D at a time (`_raw_dots`: a K-loop with fp32 accumulation,
+operands in the matmul dtype - fp32, bf16 or fp16 - the embeddings rounded to it once on
+the host, as the torch path rounds them), each class scaled by s / |w| from inverse norms
+computed once per step (no normalised copy of the shard), the row's target and the padding
+masked to -inf, then an online max / sum-exp in fp32. Each split of each chunk writes its
+partial statistics (N,); a small last step (`_combine`) folds them together, so that one
+row of statistics never serialises the whole shard onto one program.
+
+Import this module only when the kernels are needed: `triton.jit` reads TRITON_INTERPRET at
+import time.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from recognition.heads.kernels.blocks import _class_block, _logits, _raw_dots
+from recognition.heads.kernels.tiles import TileConfig, launch_settings
+
+# Values of the rounded class rows per chunk: 64 MiB in bf16 (65,536 classes at D = 512). A
+# module constant rather than an argument, so that tests can make chunks small.
+CHUNK_ROW_VALUES = 1 << 25
+
+
+@triton.jit
+def _forward_kernel(
+    W, ROW_INDEX, E, INV_NORM, TARGET, PART_MAX, PART_SUM,
+    num_classes, num_rows, dim, stride_wc, stride_en, scale, tiles_per_split,
+    HAS_INDEX: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, D_PAD: tl.constexpr, MM_DTYPE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    pid_s = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < num_rows
+    target = tl.load(TARGET + offs_n, mask=n_mask, other=-1)
+    row_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    row_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for t in range(0, tiles_per_split):
+        offs_c, c_mask, rows, inv_norm = _class_block(
+            ROW_INDEX, INV_NORM, (pid_s * tiles_per_split + t) * BLOCK_C, num_classes,
+            HAS_INDEX, BLOCK_C,
+        )  # fmt: skip
+        raw = _raw_dots(
+            W, E, rows, c_mask, offs_n, n_mask, dim, stride_wc, stride_en,
+            BLOCK_C, BLOCK_N, BLOCK_D, D_PAD, MM_DTYPE, INPUT_PRECISION, UPCAST,
+        )  # fmt: skip
+        logits = _logits(raw, inv_norm, offs_c, c_mask, target, scale)
+        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+        # A row whose entries so far are all masked has max -inf: shift by 0, not by -inf.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(logits - shift[:, None]), 1)
+        row_max = new_max
+    out = pid_s * num_rows + offs_n
+    tl.store(PART_MAX + out, row_max, mask=n_mask)
+    tl.store(PART_SUM + out, row_sum, mask=n_mask)
+
+
+def splits(num_tiles: int, num_row_blocks: int, target_programs: int) -> tuple[int, int]:
+    """(number of class splits, class tiles per split) for the row-block x split grids."""
+    wanted = max(1, target_programs // max(num_row_blocks, 1))
+    num_splits = max(1, min(num_tiles, wanted))
+    per_split = triton.cdiv(num_tiles, num_splits)
+    return triton.cdiv(num_tiles, per_split), per_split
+
+
+def inverse_norms(weight: Tensor, row_index: Tensor | None, eps: float) -> Tensor:
+    """1 / max(|w_j|, eps) (K,) in fp32 of the taking-part rows: one pass per step."""
+    rows = weight if row_index is None else weight.index_select(0, row_index)
+    return 1.0 / torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32).clamp_min(eps)
+
+
+def _combine(part_max: Tensor, part_sum: Tensor) -> tuple[Tensor, Tensor]:
+    """Fold per-split statistics (splits, N) into the row max and sum-exp (N,)."""
+    row_max = part_max.amax(dim=0)
+    shift = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    return row_max, (part_sum * torch.exp(part_max - shift)).sum(dim=0)
+
+
+def chunk_classes(num_classes: int, block_c: int, limit: int) -> int:
+    """Classes per chunk: at most `limit`, a multiple of `block_c` (at least one tile), and
+    no more than the classes there are, rounded up to a tile."""
+    per_chunk = max(block_c, limit // block_c * block_c)
+    return min(per_chunk, triton.cdiv(max(num_classes, 1), block_c) * block_c)
+
+
+def chunk_rows(
+    weight: Tensor, row_index: Tensor | None, first: int, end: int, dtype: torch.dtype
+) -> Tensor:
+    """The rows of taking-part positions [first, end) in `dtype`, dense (K_c, D): a view of
+    the weight where nothing changes, else a copy."""
+    rows = weight[first:end] if row_index is None else weight[row_index[first:end]]
+    return rows.to(dtype).contiguous()
+
+
+def class_stats(
+    norm_embeddings: Tensor,
+    weight: Tensor,
+    row_index: Tensor | None,
+    inv_norm: Tensor,
+    target_pos: Tensor,
+    scale: float,
+    matmul_dtype: torch.dtype,
+    tiles: TileConfig,
+) -> tuple[Tensor, Tensor]:
+    """Max and sum-exp (N,) fp32 of the non-target logits over the taking-part classes.
+
+    `norm_embeddings` (N, D) fp32 normalised; `weight` (C_local, D) raw rows; `row_index` (K,)
+    the taking-part rows or None for all; `inv_norm` (K,) from `inverse_norms`;
+    `target_pos` (N,) each row's target as a taking-part position, -1 where not owned.
+    A row with no non-target class gets max -inf and sum 0.
+    """
+    num_rows, dim = norm_embeddings.shape
+    num_classes = inv_norm.shape[0]
+    if weight.stride(1) != 1 or not norm_embeddings.is_contiguous():
+        raise ValueError("triton head kernel: the weight's rows and the embeddings must be dense")
+    settings = launch_settings(norm_embeddings, matmul_dtype, tiles.forward)
+    # Rounded once here, as the torch path rounds them, rather than in every tile.
+    mm_embeddings = norm_embeddings.to(matmul_dtype)
+    target_pos = target_pos.to(torch.int32)
+    row_blocks = triton.cdiv(num_rows, tiles.forward.block_n)
+    if tiles.backward == "fused":
+        # All classes at once, the raw rows rounded in the kernel, as that backward's kernels
+        # round them when they recompute the logits (the same function on a GPU, where both
+        # round to nearest; the interpreter truncates in the kernel).
+        pieces = [(0, num_classes, weight, row_index)]
+    else:
+        chunk = chunk_classes(num_classes, tiles.forward.block_c, CHUNK_ROW_VALUES // max(dim, 1))
+        # A generator: one chunk's rounded rows at a time (a list held every chunk at once, a
+        # bf16 copy of the whole shard: 9.6 GiB more at 10M classes, measured on an H200).
+        pieces = (
+            (first, end, chunk_rows(weight, row_index, first, end, matmul_dtype), None)
+            for first in range(0, num_classes, chunk)
+            for end in [min(first + chunk, num_classes)]
+        )
+    parts = []
+    for first, end, rows, index in pieces:  # rows (K_c, D), or the weight through its index
+        num_tiles = triton.cdiv(end - first, tiles.forward.block_c)
+        num_splits, per_split = splits(num_tiles, row_blocks, tiles.target_programs)
+        part_max = norm_embeddings.new_empty((num_splits, num_rows), dtype=torch.float32)
+        part_sum = torch.empty_like(part_max)
+        # Positions within the piece: a target elsewhere matches none of its classes.
+        _forward_kernel[(row_blocks, num_splits)](
+            rows, index if index is not None else inv_norm, mm_embeddings, inv_norm[first:end],
+            target_pos - first, part_max, part_sum, end - first, num_rows, dim, rows.stride(0),
+            mm_embeddings.stride(0), float(scale), per_split, HAS_INDEX=index is not None,
+            **settings,
+        )  # fmt: skip
+        parts.append((part_max, part_sum))
+    if not parts:  # no class takes part: as for a row whose classes are all masked
+        row_max = norm_embeddings.new_full((num_rows,), float("-inf"), dtype=torch.float32)
+        return row_max, torch.zeros_like(row_max)
+    return _combine(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
