@@ -425,9 +425,9 @@ def test_config_rejects_unknown_kernel():
 
 def test_auto_uses_torch_and_logs_once(caplog, monkeypatch):
     calls = []
-    original = head_module.TritonClassStats.apply
+    original = triton_stats.TritonClassStats.apply
     monkeypatch.setattr(
-        head_module.TritonClassStats, "apply", lambda *a: calls.append(1) or original(*a)
+        triton_stats.TritonClassStats, "apply", lambda *a: calls.append(1) or original(*a)
     )
     head = ShardedMarginSoftmax(20, EMBEDDING_SIZE, CosFace())
     assert head.kernel == "auto"

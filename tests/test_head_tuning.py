@@ -6,6 +6,7 @@ tensors (conftest.py sets TRITON_INTERPRET=1), where nothing is timed for real."
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
@@ -14,7 +15,7 @@ import pytest
 import torch
 from test_head import assert_close_rel, make_batch, run_head
 
-from recognition.heads import ShardedMarginSoftmax, build_head, triton_stats, tuning
+from recognition.heads import ShardedMarginSoftmax, build_head, kernel_choice, triton_stats, tuning
 from recognition.heads import margin_softmax as head_module
 from recognition.heads.margins import CosFace
 
@@ -175,13 +176,13 @@ def test_auto_on_a_gpu_measures_once_logs_and_caches(
     tmp_path, monkeypatch, caplog, torch_s, triton_s
 ):
     # The CPU stands in for a CUDA device: auto measures here as it would there.
-    monkeypatch.setattr(head_module, "_cannot_measure", lambda device, dtype: None)
+    monkeypatch.setattr(kernel_choice, "cannot_measure", lambda device, dtype: None)
     timer = FakeTimer(torch_s, triton_s)
     monkeypatch.setattr(tuning, "time_steps", timer)
     applied = []
-    real_apply = head_module.TritonClassStats.apply
+    real_apply = triton_stats.TritonClassStats.apply
     monkeypatch.setattr(
-        head_module.TritonClassStats, "apply", lambda *a: applied.append(1) or real_apply(*a)
+        triton_stats.TritonClassStats, "apply", lambda *a: applied.append(1) or real_apply(*a)
     )
     torch.manual_seed(0)
     head = ShardedMarginSoftmax(40, 24, CosFace(s=16.0), tuning_cache=tmp_path)
@@ -236,7 +237,7 @@ def test_auto_does_not_measure_on_the_cpu(monkeypatch, caplog):
 @pytest.fixture
 def tiling(monkeypatch):
     """tile_tuning with an empty in-process memory."""
-    tile_tuning = head_module.importlib.import_module("recognition.heads.kernels.tile_tuning")
+    tile_tuning = importlib.import_module("recognition.heads.kernels.tile_tuning")
     monkeypatch.setattr(tile_tuning, "_TUNED", {})
     monkeypatch.setattr(tile_tuning, "_CONFIGS", {})
     return tile_tuning

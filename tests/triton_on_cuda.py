@@ -29,6 +29,7 @@ left out: how the script itself is checked without a GPU.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -208,7 +209,7 @@ def check_auto(sizes: Sizes, device: torch.device) -> str:
 def check_tuned_tiles(sizes: Sizes, device: torch.device) -> str:
     """A shape above MIN_TUNED_WORK (N 512, D 512, 32,768 classes, bf16 under autocast),
     with each backward: the fused one tunes its three kernels, the GEMM one the forward's."""
-    tile_tuning = head_module.importlib.import_module("recognition.heads.kernels.tile_tuning")
+    tile_tuning = importlib.import_module("recognition.heads.kernels.tile_tuning")
     tile_tuning.MAX_CANDIDATES = 2  # the table's tiles and one neighbour per kernel
     big = Sizes(device)
     big.rows, big.classes = 512, 32768
@@ -238,7 +239,7 @@ def use_backward(name: str) -> None:
     """Heads made after this run backward `name`, the GEMM one or the fused one; the forward
     and the GEMM backward in chunks of one class tile (128 classes), so that the checks
     cross chunks."""
-    kernels = head_module.importlib.import_module("recognition.heads.kernels.margin_softmax_triton")
+    kernels = importlib.import_module("recognition.heads.kernels.margin_softmax_triton")
     from recognition.heads.kernels import forward, gemm_backward
 
     table = getattr(use_backward, "table", kernels.default_tiles)

@@ -81,11 +81,9 @@ class LocalClassStats(torch.autograd.Function):
         # Every cast below is explicit: autocast would cast differently here (under autocast)
         # and in the recomputation of backward (outside it).
         with torch.autocast(norm_embeddings.device.type, enabled=False):
-            stats_dtype = norm_embeddings.dtype
-            owned = target_row >= 0
-            target_rows = l2_normalize(weight[target_row.clamp(min=0)].to(stats_dtype))  # (N, D)
-            target_cos = torch.where(owned, (norm_embeddings * target_rows).sum(dim=1), 0.0)
-            target_pos = target_positions(row_index, target_row, owned)
+            target_rows, target_cos, target_pos = target_terms(
+                norm_embeddings, weight, row_index, target_row
+            )
 
             mm_embeddings = norm_embeddings.to(matmul_dtype)
             num_rows = norm_embeddings.shape[0]
@@ -206,6 +204,18 @@ def remove_radial_part(grad_rows: Tensor, rows: Tensor, inv_norm: Tensor) -> Ten
     dots = torch.bmm(rows[:, None, :], grad_rows[:, :, None]).view(-1)  # (c,)
     coefficient = torch.where(norms_known, dots * inv_norm**2, 0.0)
     return grad_rows.addcmul_(rows, coefficient[:, None], value=-1.0)
+
+
+def target_terms(
+    norm_embeddings: Tensor, weight: Tensor, row_index: Tensor | None, target_row: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """What both paths compute of the target class first: its normalised rows (N, D) and
+    cosine (N,) in the embeddings' (statistics) dtype, 0 where another rank owns the label,
+    and its position among the taking-part classes (N,), -1 there."""
+    owned = target_row >= 0
+    target_rows = l2_normalize(weight[target_row.clamp(min=0)].to(norm_embeddings.dtype))
+    target_cos = torch.where(owned, (norm_embeddings * target_rows).sum(dim=1), 0.0)
+    return target_rows, target_cos, target_positions(row_index, target_row, owned)
 
 
 def target_positions(row_index: Tensor | None, target_row: Tensor, owned: Tensor) -> Tensor:

@@ -17,10 +17,9 @@ from torch.autograd.function import once_differentiable
 
 from recognition.heads.local_stats import (
     add_target_rows_,
-    l2_normalize,
     l2_normalize_backward,
     norm_eps,
-    target_positions,
+    target_terms,
 )
 
 
@@ -70,6 +69,32 @@ class FusedSGD:
         )
 
 
+def fused_sgd(
+    kernel: str, optimizer: torch.optim.Optimizer, weight: nn.Parameter, param: Tensor | None
+) -> FusedSGD:
+    """The hand-over of `optimizer`'s SGD step for `weight` to the Triton backward
+    (`ShardedMarginSoftmax.attach_fused_update` says what it does); ValueError naming what
+    it cannot honour: another kernel or optimizer, an O2 master, dampening, a half weight."""
+    if kernel != "triton":
+        raise ValueError(f"head.fused_update: needs head.kernel=triton, the head has {kernel!r}")
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise ValueError(
+            f"head.fused_update: applies SGD only, the optimizer is {type(optimizer).__name__}"
+        )
+    target = weight if param is None else param
+    if target is not weight:
+        raise ValueError("head.fused_update: the optimizer must step the weight itself")
+    groups = [g for g in optimizer.param_groups if any(p is target for p in g["params"])]
+    if not groups:
+        raise ValueError("attach_fused_update: the optimizer does not hold the head's weight")
+    group = groups[0]
+    if group.get("dampening", 0) != 0 or group.get("maximize", False):
+        raise ValueError("head.fused_update: SGD with dampening or maximize is not supported")
+    if weight.dtype != torch.float32:
+        raise ValueError(f"head.fused_update: the weight must be float32, it is {weight.dtype}")
+    return FusedSGD(optimizer, weight)
+
+
 class TritonClassStats(torch.autograd.Function):
     """`LocalClassStats` (same inputs and outputs) on the fused Triton kernels.
 
@@ -96,10 +121,9 @@ class TritonClassStats(torch.autograd.Function):
         kernels = triton_kernels()
         with torch.autocast(norm_embeddings.device.type, enabled=False):
             norm_embeddings = norm_embeddings.contiguous()
-            owned = target_row >= 0
-            target_rows = l2_normalize(weight[target_row.clamp(min=0)].float())  # (N, D)
-            target_cos = torch.where(owned, (norm_embeddings * target_rows).sum(dim=1), 0.0)
-            target_pos = target_positions(row_index, target_row, owned)
+            target_rows, target_cos, target_pos = target_terms(
+                norm_embeddings, weight, row_index, target_row
+            )
             inv_norm = kernels.inverse_norms(weight, row_index, norm_eps(weight.dtype))  # (K,)
             row_max, row_sumexp = kernels.class_stats(
                 norm_embeddings, weight, row_index, inv_norm, target_pos, scale, matmul_dtype,

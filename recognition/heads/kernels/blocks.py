@@ -72,6 +72,25 @@ def _raw_dots(
 
 
 @triton.jit
+def _tile_dots(
+    W, ROW_INDEX, E, INV_NORM, first, num_classes, offs_n, n_mask, dim, stride_wc, stride_en,
+    HAS_INDEX: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    D_PAD: tl.constexpr, MM_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """The tile of BLOCK_C classes from position `first` (`_class_block`) and its raw dot
+    products with the rows `offs_n` (`_raw_dots`, (BLOCK_N, BLOCK_C))."""
+    offs_c, c_mask, rows, inv_norm = _class_block(
+        ROW_INDEX, INV_NORM, first, num_classes, HAS_INDEX, BLOCK_C
+    )
+    raw = _raw_dots(
+        W, E, rows, c_mask, offs_n, n_mask, dim, stride_wc, stride_en,
+        BLOCK_C, BLOCK_N, BLOCK_D, D_PAD, MM_DTYPE, INPUT_PRECISION, UPCAST,
+    )  # fmt: skip
+    return offs_c, c_mask, rows, inv_norm, raw
+
+
+@triton.jit
 def _logits(raw, inv_norm, offs_c, c_mask, target, scale):
     """s * cos (BLOCK_N, BLOCK_C) from raw dot products; each row's target and the padded
     classes are -inf."""

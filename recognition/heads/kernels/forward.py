@@ -11,8 +11,9 @@ kernel go through registers (a load, a conversion, a store back to shared memory
 fence) and each wgmma is waited for at once (what Triton 3.8 makes of the two for sm_90:
 python -m benchmarks.head_kernel_resources compiles them). Measured on an H200 at 1M classes
 (N 1024, D 512, bf16, tuned tiles): 2.9 ms on rounded chunks (about 370 TFLOP/s) against 4.0
-to 5.2 ms on raw rows (benchmarks/results/head_profile-*-nvidia-h200.md). With the fused backward, whose kernels round the raw rows as they
-recompute the logits, the forward reads the raw rows too, all classes in one launch.
+to 5.2 ms on raw rows (benchmarks/results/head_profile-*-nvidia-h200.md). With the fused
+backward, whose kernels round the raw rows as they recompute the logits, the forward reads
+the raw rows too, all classes in one launch.
 
 Over a chunk: a grid of (row blocks, class splits). Each program walks its split of the
 classes BLOCK_C at a time; for each tile, the logits (BLOCK_N, BLOCK_C) are summed over the
@@ -35,8 +36,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from recognition.heads.kernels.blocks import _class_block, _logits, _raw_dots
-from recognition.heads.kernels.tiles import TileConfig, launch_settings
+from recognition.heads.kernels import host
+from recognition.heads.kernels.blocks import _logits, _tile_dots
+from recognition.heads.kernels.host import chunk_rows, launch_settings, splits
+from recognition.heads.kernels.tiles import TileConfig
 
 # Values of the rounded class rows per chunk: 64 MiB in bf16 (65,536 classes at D = 512). A
 # module constant rather than an argument, so that tests can make chunks small.
@@ -58,13 +61,10 @@ def _forward_kernel(
     row_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     row_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for t in range(0, tiles_per_split):
-        offs_c, c_mask, rows, inv_norm = _class_block(
-            ROW_INDEX, INV_NORM, (pid_s * tiles_per_split + t) * BLOCK_C, num_classes,
-            HAS_INDEX, BLOCK_C,
-        )  # fmt: skip
-        raw = _raw_dots(
-            W, E, rows, c_mask, offs_n, n_mask, dim, stride_wc, stride_en,
-            BLOCK_C, BLOCK_N, BLOCK_D, D_PAD, MM_DTYPE, INPUT_PRECISION, UPCAST,
+        offs_c, c_mask, rows, inv_norm, raw = _tile_dots(
+            W, ROW_INDEX, E, INV_NORM, (pid_s * tiles_per_split + t) * BLOCK_C, num_classes,
+            offs_n, n_mask, dim, stride_wc, stride_en, HAS_INDEX, BLOCK_C, BLOCK_N, BLOCK_D,
+            D_PAD, MM_DTYPE, INPUT_PRECISION, UPCAST,
         )  # fmt: skip
         logits = _logits(raw, inv_norm, offs_c, c_mask, target, scale)
         new_max = tl.maximum(row_max, tl.max(logits, axis=1))
@@ -75,14 +75,6 @@ def _forward_kernel(
     out = pid_s * num_rows + offs_n
     tl.store(PART_MAX + out, row_max, mask=n_mask)
     tl.store(PART_SUM + out, row_sum, mask=n_mask)
-
-
-def splits(num_tiles: int, num_row_blocks: int, target_programs: int) -> tuple[int, int]:
-    """(number of class splits, class tiles per split) for the row-block x split grids."""
-    wanted = max(1, target_programs // max(num_row_blocks, 1))
-    num_splits = max(1, min(num_tiles, wanted))
-    per_split = triton.cdiv(num_tiles, num_splits)
-    return triton.cdiv(num_tiles, per_split), per_split
 
 
 def inverse_norms(weight: Tensor, row_index: Tensor | None, eps: float) -> Tensor:
@@ -96,22 +88,6 @@ def _combine(part_max: Tensor, part_sum: Tensor) -> tuple[Tensor, Tensor]:
     row_max = part_max.amax(dim=0)
     shift = torch.where(torch.isfinite(row_max), row_max, 0.0)
     return row_max, (part_sum * torch.exp(part_max - shift)).sum(dim=0)
-
-
-def chunk_classes(num_classes: int, block_c: int, limit: int) -> int:
-    """Classes per chunk: at most `limit`, a multiple of `block_c` (at least one tile), and
-    no more than the classes there are, rounded up to a tile."""
-    per_chunk = max(block_c, limit // block_c * block_c)
-    return min(per_chunk, triton.cdiv(max(num_classes, 1), block_c) * block_c)
-
-
-def chunk_rows(
-    weight: Tensor, row_index: Tensor | None, first: int, end: int, dtype: torch.dtype
-) -> Tensor:
-    """The rows of taking-part positions [first, end) in `dtype`, dense (K_c, D): a view of
-    the weight where nothing changes, else a copy."""
-    rows = weight[first:end] if row_index is None else weight[row_index[first:end]]
-    return rows.to(dtype).contiguous()
 
 
 def class_stats(
@@ -146,7 +122,9 @@ def class_stats(
         # round to nearest; the interpreter truncates in the kernel).
         pieces = [(0, num_classes, weight, row_index)]
     else:
-        chunk = chunk_classes(num_classes, tiles.forward.block_c, CHUNK_ROW_VALUES // max(dim, 1))
+        chunk = host.chunk_classes(
+            num_classes, tiles.forward.block_c, CHUNK_ROW_VALUES // max(dim, 1)
+        )
         # A generator: one chunk's rounded rows at a time (a list held every chunk at once, a
         # bf16 copy of the whole shard: 9.6 GiB more at 10M classes, measured on an H200).
         pieces = (

@@ -43,8 +43,6 @@ import time.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -57,9 +55,10 @@ from recognition.heads.kernels.blocks import (
     _grad_dots,
     _halves,
     _raw_dots,
+    _tile_dots,
 )
-from recognition.heads.kernels.forward import splits
-from recognition.heads.kernels.tiles import SGDUpdate, TileConfig, launch_settings
+from recognition.heads.kernels.host import BackwardInputs, launch_settings, splits
+from recognition.heads.kernels.tiles import TileConfig
 
 
 @triton.jit
@@ -80,13 +79,10 @@ def _grad_embeddings_kernel(
     d_mask = offs_d < dim
     acc = tl.zeros((BLOCK_N, D_PAD), dtype=tl.float32)
     for t in range(0, tiles_per_split):
-        offs_c, c_mask, rows, inv_norm = _class_block(
-            ROW_INDEX, INV_NORM, (pid_s * tiles_per_split + t) * BLOCK_C, num_classes,
-            HAS_INDEX, BLOCK_C,
-        )  # fmt: skip
-        raw = _raw_dots(
-            W, E, rows, c_mask, offs_n, n_mask, dim, stride_wc, stride_en,
-            BLOCK_C, BLOCK_N, BLOCK_D, D_PAD, MM_DTYPE, INPUT_PRECISION, UPCAST,
+        offs_c, c_mask, rows, inv_norm, raw = _tile_dots(
+            W, ROW_INDEX, E, INV_NORM, (pid_s * tiles_per_split + t) * BLOCK_C, num_classes,
+            offs_n, n_mask, dim, stride_wc, stride_en, HAS_INDEX, BLOCK_C, BLOCK_N, BLOCK_D,
+            D_PAD, MM_DTYPE, INPUT_PRECISION, UPCAST,
         )  # fmt: skip
         grad = _grad_dots(raw, inv_norm, offs_c, c_mask, target, shift, grad_scale, scale)
         w = tl.load(
@@ -174,83 +170,38 @@ def _grad_weight_kernel(
             _finish_rows(fourth, HALF + QUARTER, *args, QUARTER)
 
 
-def class_stats_backward(
-    norm_embeddings: Tensor,
-    weight: Tensor,
-    row_index: Tensor | None,
-    inv_norm: Tensor,
-    target_pos: Tensor,
-    row_max: Tensor,
-    grad_sumexp: Tensor,
-    scale: float,
-    matmul_dtype: torch.dtype,
-    tiles: TileConfig,
-    *,
-    want_weight: bool = True,
-    target_grad: tuple[Tensor, Tensor] | None = None,
-    sgd: SGDUpdate | None = None,
-    norm_limit: float = math.inf,
-) -> tuple[Tensor, Tensor | None]:
-    """Gradients of sum(grad_sumexp * sum-exp) from `class_stats`'s inputs.
-
-    Returns (d / d norm_embeddings (N, D) fp32, d / d weight (C_local, D) in the weight's
-    dtype, zero outside the taking-part rows, or None when `want_weight` is False or `sgd`
-    is given). With `sgd`, each tile's gradient - plus the target rows' share
-    `target_grad` = (distinct weight rows (U,), their gradient (U, D) fp32) - is applied to
-    `weight` in place as that SGD step, and no gradient is returned for the weight.
-    `norm_limit` = 1 / eps: rows whose inverse norm reaches it keep their radial part.
-    The embedding gradient is reduced with atomics, or deterministically when
-    torch.are_deterministic_algorithms_enabled().
-    """
-    num_rows, dim = norm_embeddings.shape
-    num_classes = inv_norm.shape[0]
-    mm_embeddings = norm_embeddings.to(matmul_dtype)
-    target_pos = target_pos.to(torch.int32)
-    shift = torch.where(torch.isfinite(row_max), row_max, 0.0).float().contiguous()
-    grad_scale = (grad_sumexp.float() * scale).contiguous()  # d sum-exp / d cos = s exp(.)
-    index_arg = row_index if row_index is not None else inv_norm
+def backward(inputs: BackwardInputs, tiles: TileConfig) -> tuple[Tensor, Tensor | None]:
+    """`margin_softmax_triton.class_stats_backward` on the two kernels, at `tiles`'
+    grad_embeddings and grad_weight tiles. The embedding gradient is reduced with atomics,
+    or deterministically when torch.are_deterministic_algorithms_enabled()."""
+    x = inputs
+    weight, num_rows, dim, num_classes = x.weight, x.num_rows, x.dim, x.num_classes
 
     # The embedding gradient first: a fused update below overwrites the weight.
-    settings = launch_settings(norm_embeddings, matmul_dtype, tiles.grad_embeddings)
+    settings = launch_settings(x.norm_embeddings, x.matmul_dtype, tiles.grad_embeddings)
     row_blocks = triton.cdiv(num_rows, tiles.grad_embeddings.block_n)
     num_tiles = triton.cdiv(num_classes, tiles.grad_embeddings.block_c)
     num_splits, per_split = splits(num_tiles, row_blocks, tiles.target_programs)
     atomic = not torch.are_deterministic_algorithms_enabled()
     shape = (num_rows, dim) if atomic else (num_splits, num_rows, dim)
-    grad_e = norm_embeddings.new_zeros(shape, dtype=torch.float32)
+    grad_e = x.norm_embeddings.new_zeros(shape, dtype=torch.float32)
     _grad_embeddings_kernel[(row_blocks, num_splits)](
-        weight, index_arg, mm_embeddings, inv_norm, target_pos, shift, grad_scale, grad_e,
-        num_classes, num_rows, dim, weight.stride(0), mm_embeddings.stride(0), float(scale),
-        per_split, HAS_INDEX=row_index is not None, ATOMIC=atomic, **settings,
+        weight, x.index_arg, x.mm_embeddings, x.inv_norm, x.target_pos, x.shift, x.grad_scale,
+        grad_e, num_classes, num_rows, dim, weight.stride(0), x.mm_embeddings.stride(0),
+        float(x.scale), per_split, HAS_INDEX=x.row_index is not None, ATOMIC=atomic, **settings,
     )  # fmt: skip
     if not atomic:
         grad_e = grad_e.sum(dim=0)
-
-    if not want_weight and sgd is None:
+    if not x.want_rows:
         return grad_e, None
-    grad_w = None
-    if sgd is None:
-        grad_w = torch.empty_like(weight) if row_index is None else torch.zeros_like(weight)
-    extra, extra_slot = inv_norm, target_pos  # placeholders, unread without HAS_EXTRA
-    if sgd is not None and target_grad is not None and target_grad[0].numel() > 0:
-        rows, extra = target_grad
-        positions = rows if row_index is None else torch.searchsorted(row_index, rows)
-        extra_slot = torch.full((num_classes,), -1, dtype=torch.int32, device=weight.device)
-        extra_slot[positions] = torch.arange(rows.numel(), dtype=torch.int32, device=rows.device)
-        extra = extra.float().contiguous()
-    has_extra = extra is not inv_norm
-    buf = sgd.momentum_buffer if sgd is not None and sgd.momentum_buffer is not None else None
-    settings = launch_settings(norm_embeddings, matmul_dtype, tiles.grad_weight)
+
+    grad_w = x.new_grad_weight()
+    settings = launch_settings(x.norm_embeddings, x.matmul_dtype, tiles.grad_weight)
     _grad_weight_kernel[(triton.cdiv(num_classes, tiles.grad_weight.block_c),)](
-        weight, index_arg, mm_embeddings, inv_norm, target_pos, shift, grad_scale,
-        grad_w if grad_w is not None else weight, extra, extra_slot,
-        buf if buf is not None else inv_norm,
-        num_classes, num_rows, dim, weight.stride(0), mm_embeddings.stride(0),
-        grad_w.stride(0) if grad_w is not None else 0, float(scale), float(norm_limit),
-        float(sgd.lr) if sgd else 0.0, float(sgd.momentum) if sgd else 0.0,
-        float(sgd.weight_decay) if sgd else 0.0,
-        HAS_INDEX=row_index is not None, FUSED=sgd is not None, HAS_EXTRA=has_extra,
-        HAS_MOMENTUM=buf is not None, NESTEROV=bool(sgd and sgd.nesterov),
+        weight, x.index_arg, x.mm_embeddings, x.inv_norm, x.target_pos, x.shift, x.grad_scale,
+        *x.update_args(grad_w), num_classes, num_rows, dim, weight.stride(0),
+        x.mm_embeddings.stride(0), grad_w.stride(0) if grad_w is not None else 0,
+        float(x.scale), float(x.norm_limit), *x.update_scalars(), **x.update_flags(),
         EPILOGUE_SPLITS=min(tiles.epilogue_splits, settings["D_PAD"] // 16), **settings,
     )  # fmt: skip
     return grad_e, grad_w

@@ -1,9 +1,9 @@
 """The default backward (`TileConfig.backward = "gemm"`): the gradient of the logits is
 written a chunk of classes at a time, and cuBLAS takes the two gradient products.
 
-For each chunk of K_c taking-part classes (`forward.chunk_classes`: at most 2^26 logits,
+For each chunk of K_c taking-part classes (`host.chunk_classes`: at most 2^26 logits,
 128 MiB of bf16 at N = 1024, and the forward's bound on the rows), whose rows are rounded
-to the matmul dtype once (`forward.chunk_rows`, as the forward rounds them):
+to the matmul dtype once (`host.chunk_rows`, as the forward rounds them):
 
 1. `_grad_logits_kernel`, grid (row blocks, class tiles), on the forward's tiles: each
    program recomputes its tile's raw dot products <e_i, w_j> (the forward's K-loop, the
@@ -43,16 +43,20 @@ import time.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from recognition.heads.kernels.blocks import _class_block, _finish_rows, _grad_dots, _raw_dots
-from recognition.heads.kernels.forward import CHUNK_ROW_VALUES, chunk_classes, chunk_rows
-from recognition.heads.kernels.tiles import SGDUpdate, TileConfig, launch_settings, padded_dim
+from recognition.heads.kernels import forward
+from recognition.heads.kernels.blocks import _class_block, _finish_rows, _grad_dots, _tile_dots
+from recognition.heads.kernels.host import (
+    BackwardInputs,
+    chunk_classes,
+    chunk_rows,
+    launch_settings,
+)
+from recognition.heads.kernels.tiles import TileConfig, padded_dim
 
 # Logits per chunk: G holds at most this many values of the matmul dtype (128 MiB in bf16;
 # the rows' chunk of forward.CHUNK_ROW_VALUES bounds it too). A module constant rather than
@@ -90,12 +94,10 @@ def _grad_logits_kernel(
     target = tl.load(TARGET + offs_n, mask=n_mask, other=-1)
     shift = tl.load(SHIFT + offs_n, mask=n_mask, other=0.0)
     grad_scale = tl.load(GRAD_SCALE + offs_n, mask=n_mask, other=0.0)
-    offs_c, c_mask, rows, inv_norm = _class_block(
-        INV_NORM, INV_NORM, tl.program_id(1) * BLOCK_C, num_classes, False, BLOCK_C
-    )
-    raw = _raw_dots(
-        W, E, rows, c_mask, offs_n, n_mask, dim, stride_wc, stride_en,
-        BLOCK_C, BLOCK_N, BLOCK_D, D_PAD, MM_DTYPE, INPUT_PRECISION, UPCAST,
+    offs_c, c_mask, rows, inv_norm, raw = _tile_dots(
+        W, INV_NORM, E, INV_NORM, tl.program_id(1) * BLOCK_C, num_classes, offs_n, n_mask, dim,
+        stride_wc, stride_en, False, BLOCK_C, BLOCK_N, BLOCK_D, D_PAD, MM_DTYPE,
+        INPUT_PRECISION, UPCAST,
     )  # fmt: skip
     grad = _grad_dots(raw, inv_norm, offs_c, c_mask, target, shift, grad_scale, scale)
     g_ptrs = G + offs_n[:, None] * stride_gn + offs_c[None, :]
@@ -130,78 +132,38 @@ def _finish_kernel(
     )  # fmt: skip
 
 
-def class_stats_backward(
-    norm_embeddings: Tensor,
-    weight: Tensor,
-    row_index: Tensor | None,
-    inv_norm: Tensor,
-    target_pos: Tensor,
-    row_max: Tensor,
-    grad_sumexp: Tensor,
-    scale: float,
-    matmul_dtype: torch.dtype,
-    tiles: TileConfig,
-    *,
-    want_weight: bool = True,
-    target_grad: tuple[Tensor, Tensor] | None = None,
-    sgd: SGDUpdate | None = None,
-    norm_limit: float = math.inf,
-) -> tuple[Tensor, Tensor | None]:
-    """Gradients of sum(grad_sumexp * sum-exp) from `forward.class_stats`'s inputs: what
-    `fused_backward.class_stats_backward` returns and applies, with the same arguments (see
-    there); the recomputation runs on `tiles.forward`."""
-    num_rows, dim = norm_embeddings.shape
-    num_classes = inv_norm.shape[0]
-    mm_embeddings = norm_embeddings.to(matmul_dtype)
-    target_pos = target_pos.to(torch.int32)
-    shift = torch.where(torch.isfinite(row_max), row_max, 0.0).float().contiguous()
-    grad_scale = (grad_sumexp.float() * scale).contiguous()  # d sum-exp / d cos = s exp(.)
-    index_arg = row_index if row_index is not None else inv_norm
-    want_rows = want_weight or sgd is not None
-
-    grad_w = None
-    if want_rows and sgd is None:
-        grad_w = torch.empty_like(weight) if row_index is None else torch.zeros_like(weight)
-    extra, extra_slot = inv_norm, target_pos  # placeholders, unread without HAS_EXTRA
-    if sgd is not None and target_grad is not None and target_grad[0].numel() > 0:
-        rows, extra = target_grad
-        positions = rows if row_index is None else torch.searchsorted(row_index, rows)
-        extra_slot = torch.full((num_classes,), -1, dtype=torch.int32, device=weight.device)
-        extra_slot[positions] = torch.arange(rows.numel(), dtype=torch.int32, device=rows.device)
-        extra = extra.float().contiguous()
-    has_extra = extra is not inv_norm
-    buf = sgd.momentum_buffer if sgd is not None and sgd.momentum_buffer is not None else None
-
-    settings = launch_settings(norm_embeddings, matmul_dtype, tiles.forward)
+def backward(inputs: BackwardInputs, tiles: TileConfig) -> tuple[Tensor, Tensor | None]:
+    """`margin_softmax_triton.class_stats_backward` by chunks (see the module docstring); the
+    recomputation runs on `tiles.forward`."""
+    x = inputs
+    weight, num_rows, dim, num_classes = x.weight, x.num_rows, x.dim, x.num_classes
+    grad_w = x.new_grad_weight()
+    settings = launch_settings(x.norm_embeddings, x.matmul_dtype, tiles.forward)
     block_c = tiles.forward.block_c
-    limit = min(CHUNK_LOGITS // max(num_rows, 1), CHUNK_ROW_VALUES // max(dim, 1))
+    limit = min(CHUNK_LOGITS // max(num_rows, 1), forward.CHUNK_ROW_VALUES // max(dim, 1))
     chunk = chunk_classes(num_classes, block_c, limit)
     d_pad = padded_dim(dim)
     finish_block = max(1, FINISH_VALUES // d_pad)
-    grad_e = norm_embeddings.new_zeros((num_rows, dim), dtype=torch.float32)
-    g = norm_embeddings.new_empty((num_rows, chunk), dtype=matmul_dtype)  # (N, K_c)
+    grad_e = x.norm_embeddings.new_zeros((num_rows, dim), dtype=torch.float32)
+    g = x.norm_embeddings.new_empty((num_rows, chunk), dtype=x.matmul_dtype)  # (N, K_c)
     for first in range(0, num_classes, chunk):
         end = min(first + chunk, num_classes)
-        rows = chunk_rows(weight, row_index, first, end, matmul_dtype)  # (K_c, D)
+        rows = chunk_rows(weight, x.row_index, first, end, x.matmul_dtype)  # (K_c, D)
         g_chunk = g[:, : end - first]
         grid = (triton.cdiv(num_rows, tiles.forward.block_n), triton.cdiv(end - first, block_c))
         _grad_logits_kernel[grid](
-            rows, mm_embeddings, inv_norm[first:end], target_pos - first, shift, grad_scale, g,
-            end - first, num_rows, dim, rows.stride(0), mm_embeddings.stride(0), g.stride(0),
-            float(scale), **settings,
+            rows, x.mm_embeddings, x.inv_norm[first:end], x.target_pos - first, x.shift,
+            x.grad_scale, g, end - first, num_rows, dim, rows.stride(0),
+            x.mm_embeddings.stride(0), g.stride(0), float(x.scale), **settings,
         )  # fmt: skip
         grad_e += mm_fp32(g_chunk, rows)  # (N, D)
-        if not want_rows:
+        if not x.want_rows:
             continue
-        u = mm_fp32(g_chunk.t(), mm_embeddings)  # (K_c, D): g / |w| of the chunk's rows
+        u = mm_fp32(g_chunk.t(), x.mm_embeddings)  # (K_c, D): g / |w| of the chunk's rows
         _finish_kernel[(triton.cdiv(end - first, finish_block),)](
-            u, weight, index_arg, inv_norm, grad_w if grad_w is not None else weight, extra,
-            extra_slot, buf if buf is not None else inv_norm,
-            first, end, dim, weight.stride(0), grad_w.stride(0) if grad_w is not None else 0,
-            float(norm_limit), float(sgd.lr) if sgd else 0.0,
-            float(sgd.momentum) if sgd else 0.0, float(sgd.weight_decay) if sgd else 0.0,
-            HAS_INDEX=row_index is not None, FUSED=sgd is not None, HAS_EXTRA=has_extra,
-            HAS_MOMENTUM=buf is not None, NESTEROV=bool(sgd and sgd.nesterov),
+            u, weight, x.index_arg, x.inv_norm, *x.update_args(grad_w), first, end, dim,
+            weight.stride(0), grad_w.stride(0) if grad_w is not None else 0,
+            float(x.norm_limit), *x.update_scalars(), **x.update_flags(),
             BLOCK_C=finish_block, D_PAD=d_pad, num_warps=FINISH_WARPS, num_stages=1,
         )  # fmt: skip
     return grad_e, grad_w

@@ -11,6 +11,7 @@ margin and the collectives stay in margin_softmax.py.
 One module per pass, over two shared ones:
 
     tiles.py           KernelTiles, TileConfig (and which backward), the tables, SGDUpdate
+    host.py            launch settings, splits, chunks of rounded rows, BackwardInputs
     blocks.py          device code the kernels share: the K-loop, logits, the rows' epilogue
     forward.py         class_stats: max and sum-exp per row; inverse_norms
     gemm_backward.py   the default backward: the logits' gradient by chunks, cuBLAS products
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from recognition.heads.kernels import fused_backward, gemm_backward
 from recognition.heads.kernels.forward import class_stats, inverse_norms
+from recognition.heads.kernels.host import BackwardInputs
 from recognition.heads.kernels.tiles import (
     BACKWARDS,
     INTERPRET,
@@ -70,10 +72,18 @@ def class_stats_backward(
     norm_limit: float = math.inf,
 ) -> tuple[Tensor, Tensor | None]:
     """Gradients of sum(grad_sumexp * sum-exp) from `class_stats`'s inputs, by the backward
-    `tiles.backward` names (fused_backward.class_stats_backward says what it returns)."""
-    module = gemm_backward if tiles.backward == "gemm" else fused_backward
-    return module.class_stats_backward(
+    `tiles.backward` names (gemm_backward.py or fused_backward.py).
+
+    Returns (d / d norm_embeddings (N, D) fp32, d / d weight (C_local, D) in the weight's
+    dtype, zero outside the taking-part rows, or None when `want_weight` is False or `sgd`
+    is given). With `sgd`, each row's gradient - plus the target rows' share
+    `target_grad` = (distinct weight rows (U,), their gradient (U, D) fp32) - is applied to
+    `weight` in place as that SGD step, and no gradient is returned for the weight.
+    `norm_limit` = 1 / eps: rows whose inverse norm reaches it keep their radial part.
+    """
+    inputs = BackwardInputs(
         norm_embeddings, weight, row_index, inv_norm, target_pos, row_max, grad_sumexp, scale,
-        matmul_dtype, tiles, want_weight=want_weight, target_grad=target_grad, sgd=sgd,
-        norm_limit=norm_limit,
+        matmul_dtype, want_weight, target_grad, sgd, norm_limit,
     )  # fmt: skip
+    module = gemm_backward if tiles.backward == "gemm" else fused_backward
+    return module.backward(inputs, tiles)

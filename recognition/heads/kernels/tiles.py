@@ -39,16 +39,7 @@ GPU, tile_tuning.py times them and their neighbours of no larger footprint at th
 shapes and keeps the fastest (`default_tiles` stays the table's).
 tests/test_head_kernel_compile.py checks D = 512 with bf16 operands in CI.
 
-Compiler rules kept although the interpreter does not enforce them: every block size is a
-power of two, every `tl.dot` operand dimension is at least 16, and there is no Python
-control flow on tensor values (only on constexprs and scalar arguments).
-
-Under TRITON_INTERPRET=1 (CPU tensors) the interpreter multiplies bfloat16 operands as
-their raw 16-bit patterns, so there (`INTERPRET`) half operands are rounded to their dtype
-and then multiplied as float32: the same products (a product of two bf16 or fp16 numbers is
-exact in fp32), accumulated in fp32 as on the GPU. The interpreter also rounds fp32 to
-bf16 by truncation rather than to nearest (the class rows, rounded in the kernel); tests
-state tolerances that cover both. On the CPU the tiles are the interpreter's: large, the
+On the CPU the tiles are the interpreter's (blocks.py says how it multiplies): large, the
 whole dimension in one step.
 
 The backward (`TileConfig.backward`) is "gemm" by default: the gradient of the logits is
@@ -255,21 +246,3 @@ def padded_dim(dim: int) -> int:
     """The embedding dimension padded to a power of two (at least 16): the width of the
     backward's accumulators."""
     return max(16, triton.next_power_of_2(dim))
-
-
-def launch_settings(norm_embeddings: Tensor, matmul_dtype: torch.dtype, tiles: KernelTiles) -> dict:
-    """The constexprs and launch options of one kernel for these embeddings."""
-    if matmul_dtype not in TORCH_TO_TRITON:
-        raise ValueError(f"triton head kernel: matmul dtype {matmul_dtype} is not supported")
-    d_pad = padded_dim(norm_embeddings.shape[1])
-    return {
-        "MM_DTYPE": TORCH_TO_TRITON[matmul_dtype],
-        "INPUT_PRECISION": input_precision(matmul_dtype, norm_embeddings.device),
-        "UPCAST": INTERPRET and matmul_dtype != torch.float32,
-        "BLOCK_C": tiles.block_c,
-        "BLOCK_N": tiles.block_n,
-        "BLOCK_D": min(tiles.block_d, d_pad),
-        "D_PAD": d_pad,
-        "num_warps": tiles.num_warps,
-        "num_stages": tiles.num_stages,
-    }

@@ -1,0 +1,152 @@
+"""Host-side pieces the kernels' wrappers share: launch settings, class splits and chunks,
+rows rounded a chunk at a time, and `BackwardInputs`, what either backward takes.
+
+Import this module only when the kernels are needed: it imports triton.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch import Tensor
+
+from recognition.heads.kernels.tiles import (
+    INTERPRET,
+    TORCH_TO_TRITON,
+    KernelTiles,
+    SGDUpdate,
+    input_precision,
+    padded_dim,
+)
+
+
+def launch_settings(norm_embeddings: Tensor, matmul_dtype: torch.dtype, tiles: KernelTiles) -> dict:
+    """The constexprs and launch options of one kernel for these embeddings."""
+    if matmul_dtype not in TORCH_TO_TRITON:
+        raise ValueError(f"triton head kernel: matmul dtype {matmul_dtype} is not supported")
+    d_pad = padded_dim(norm_embeddings.shape[1])
+    return {
+        "MM_DTYPE": TORCH_TO_TRITON[matmul_dtype],
+        "INPUT_PRECISION": input_precision(matmul_dtype, norm_embeddings.device),
+        "UPCAST": INTERPRET and matmul_dtype != torch.float32,
+        "BLOCK_C": tiles.block_c,
+        "BLOCK_N": tiles.block_n,
+        "BLOCK_D": min(tiles.block_d, d_pad),
+        "D_PAD": d_pad,
+        "num_warps": tiles.num_warps,
+        "num_stages": tiles.num_stages,
+    }
+
+
+def splits(num_tiles: int, num_row_blocks: int, target_programs: int) -> tuple[int, int]:
+    """(number of class splits, class tiles per split) for the row-block x split grids."""
+    wanted = max(1, target_programs // max(num_row_blocks, 1))
+    num_splits = max(1, min(num_tiles, wanted))
+    per_split = triton.cdiv(num_tiles, num_splits)
+    return triton.cdiv(num_tiles, per_split), per_split
+
+
+def chunk_classes(num_classes: int, block_c: int, limit: int) -> int:
+    """Classes per chunk: at most `limit`, a multiple of `block_c` (at least one tile), and
+    no more than the classes there are, rounded up to a tile."""
+    per_chunk = max(block_c, limit // block_c * block_c)
+    return min(per_chunk, triton.cdiv(max(num_classes, 1), block_c) * block_c)
+
+
+def chunk_rows(
+    weight: Tensor, row_index: Tensor | None, first: int, end: int, dtype: torch.dtype
+) -> Tensor:
+    """The rows of taking-part positions [first, end) in `dtype`, dense (K_c, D): a view of
+    the weight where nothing changes, else a copy."""
+    rows = weight[first:end] if row_index is None else weight[row_index[first:end]]
+    return rows.to(dtype).contiguous()
+
+
+@dataclass
+class BackwardInputs:
+    """What a backward of `forward.class_stats` takes (margin_softmax_triton's
+    `class_stats_backward` says what each is), and what both backwards derive from it."""
+
+    norm_embeddings: Tensor
+    weight: Tensor
+    row_index: Tensor | None
+    inv_norm: Tensor
+    target_pos: Tensor
+    row_max: Tensor
+    grad_sumexp: Tensor
+    scale: float
+    matmul_dtype: torch.dtype
+    want_weight: bool = True
+    target_grad: tuple[Tensor, Tensor] | None = None
+    sgd: SGDUpdate | None = None
+    norm_limit: float = math.inf
+
+    def __post_init__(self) -> None:
+        self.num_rows, self.dim = self.norm_embeddings.shape
+        self.num_classes = self.inv_norm.shape[0]
+        self.mm_embeddings = self.norm_embeddings.to(self.matmul_dtype)
+        self.target_pos = self.target_pos.to(torch.int32)
+        row_max = self.row_max
+        self.shift = torch.where(torch.isfinite(row_max), row_max, 0.0).float().contiguous()
+        # d sum-exp / d cos = s exp(.)
+        self.grad_scale = (self.grad_sumexp.float() * self.scale).contiguous()
+        # Pointer arguments a kernel does not read in a variant still need a tensor.
+        self.index_arg = self.row_index if self.row_index is not None else self.inv_norm
+        buffer = self.sgd.momentum_buffer if self.sgd is not None else None
+        self.buffer_arg = buffer if buffer is not None else self.inv_norm
+        self.extra, self.extra_slot = self._target_share()
+
+    @property
+    def want_rows(self) -> bool:
+        """Whether the backward writes the rows' gradient or steps them."""
+        return self.want_weight or self.sgd is not None
+
+    def new_grad_weight(self) -> Tensor | None:
+        """The weight's gradient to write (zero outside the taking-part rows), or None when
+        none is returned (not wanted, or a fused update steps the rows)."""
+        if not self.want_rows or self.sgd is not None:
+            return None
+        if self.row_index is None:
+            return torch.empty_like(self.weight)
+        return torch.zeros_like(self.weight)
+
+    def _target_share(self) -> tuple[Tensor | None, Tensor | None]:
+        """For a fused update: the target rows' gradient (U, D) fp32 and, per taking-part
+        position, its slot there or -1 (the epilogues add it before the step); else None."""
+        target_grad = self.target_grad
+        if self.sgd is None or target_grad is None or target_grad[0].numel() == 0:
+            return None, None
+        rows, extra = target_grad
+        positions = rows if self.row_index is None else torch.searchsorted(self.row_index, rows)
+        slot = torch.full((self.num_classes,), -1, dtype=torch.int32, device=self.weight.device)
+        slot[positions] = torch.arange(rows.numel(), dtype=torch.int32, device=rows.device)
+        return extra.float().contiguous(), slot
+
+    def update_args(self, grad_w: Tensor | None) -> tuple:
+        """The epilogue's arguments, in both kernels' order: the gradient to write (or the
+        weight), the target share and its slots, the momentum buffer (placeholders where
+        unread)."""
+        extra = self.extra if self.extra is not None else self.inv_norm
+        slot = self.extra_slot if self.extra_slot is not None else self.target_pos
+        return (grad_w if grad_w is not None else self.weight, extra, slot, self.buffer_arg)
+
+    def update_scalars(self) -> tuple[float, float, float]:
+        """lr, momentum, weight decay of the fused update (zeros without one)."""
+        sgd = self.sgd
+        if sgd is None:
+            return 0.0, 0.0, 0.0
+        return float(sgd.lr), float(sgd.momentum), float(sgd.weight_decay)
+
+    def update_flags(self) -> dict[str, bool]:
+        """The epilogue's constexprs."""
+        sgd = self.sgd
+        return {
+            "HAS_INDEX": self.row_index is not None,
+            "FUSED": sgd is not None,
+            "HAS_EXTRA": self.extra is not None,
+            "HAS_MOMENTUM": sgd is not None and sgd.momentum_buffer is not None,
+            "NESTEROV": bool(sgd and sgd.nesterov),
+        }
