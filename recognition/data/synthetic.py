@@ -20,6 +20,9 @@ LFW-style verification data, so that the rest of the code sees no difference):
     root/.generating                                 written first, removed at the end
     root/.complete                                   written last: the SyntheticSpec as JSON
 
+The spec (`SyntheticSpec`, `GENERATOR_VERSION`) lives in `recognition.config.synthetic`, with
+the config section that describes it, and is re-exported here.
+
 The output depends only on the spec (seed included): every identity and image draws from
 its own `numpy.random.Generator` seeded by (seed, split, identity, image), so the files are
 byte-identical whatever the number of worker processes.
@@ -38,12 +41,13 @@ import os
 import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+# The spec lives with the config that describes it; re-exported here for the generator's callers.
+from recognition.config.synthetic import GENERATOR_VERSION, SyntheticSpec  # noqa: F401
 from recognition.data.pairs import write_pairs
 
 logger = logging.getLogger(__name__)
@@ -53,101 +57,12 @@ VAL_DIR = "val"
 PAIRS_FILE = "pairs.txt"
 COMPLETE_MARKER = ".complete"
 GENERATING_MARKER = ".generating"
-# Bumped whenever the drawing code changes, so that a data set drawn by an older version is
-# regenerated rather than silently mixed with a new one.
-GENERATOR_VERSION = 1
 
 # Seed-sequence tags that keep the random streams of the splits and the pairs apart.
 _TRAIN_STREAM = 0
 _VAL_STREAM = 1
 _PAIRS_STREAM = 2
 _FACES_STREAM = 3
-
-
-@dataclass
-class SyntheticSpec:
-    """What to generate. The defaults are the built-in default run's data set."""
-
-    num_identities: int = 1000
-    """Training identities (class folders under `train/`)."""
-    images_per_identity: int = 16
-    """Images per training identity."""
-    num_val_identities: int = 200
-    """Held-out identities under `val/`, disjoint from the training ones."""
-    val_images_per_identity: int = 10
-    """Images per held-out identity."""
-    num_folds: int = 10
-    """Folds of the verification pairs; each fold uses its own held-out identities."""
-    pairs_per_fold: int = 150
-    """Same-identity pairs per fold, and as many different-identity pairs."""
-    image_size: int = 112
-    """Side of the square images, in pixels."""
-    seed: int = 0
-    """Seed of everything; the same spec always gives byte-identical files."""
-
-    @classmethod
-    def training_set(
-        cls, num_identities: int, images_per_identity: int, image_size: int = 112
-    ) -> SyntheticSpec:
-        """A spec for training images alone: the smallest held-out part the layout needs (2
-        identities of 2 images, one fold of one pair each way)."""
-        return cls(
-            num_identities=num_identities,
-            images_per_identity=images_per_identity,
-            num_val_identities=2,
-            val_images_per_identity=2,
-            num_folds=1,
-            pairs_per_fold=1,
-            image_size=image_size,
-        )
-
-    def __post_init__(self) -> None:
-        for name in (
-            "num_identities",
-            "images_per_identity",
-            "num_val_identities",
-            "val_images_per_identity",
-            "num_folds",
-            "pairs_per_fold",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"SyntheticSpec.{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.image_size, int) or self.image_size < 16:
-            raise ValueError(
-                f"SyntheticSpec.image_size must be an integer >= 16, got {self.image_size!r}"
-            )
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(
-                f"SyntheticSpec.seed must be a non-negative integer, got {self.seed!r}"
-            )
-        if self.val_images_per_identity < 2:
-            raise ValueError(
-                "SyntheticSpec.val_images_per_identity must be >= 2 to form same-identity "
-                f"pairs, got {self.val_images_per_identity}"
-            )
-        # Folds are identity-disjoint (as in LFW View 2), and a different-identity pair needs
-        # two identities inside one fold.
-        if self.num_val_identities < 2 * self.num_folds:
-            raise ValueError(
-                f"SyntheticSpec.num_val_identities ({self.num_val_identities}) must be at least "
-                f"2 * num_folds ({2 * self.num_folds}): each fold needs its own two identities"
-            )
-        smallest_fold = self.num_val_identities // self.num_folds
-        num_images = self.val_images_per_identity
-        max_same = smallest_fold * num_images * (num_images - 1) // 2
-        max_different = smallest_fold * (smallest_fold - 1) // 2 * num_images * num_images
-        if self.pairs_per_fold > min(max_same, max_different):
-            raise ValueError(
-                f"SyntheticSpec.pairs_per_fold ({self.pairs_per_fold}) exceeds the "
-                f"{min(max_same, max_different)} distinct pairs that the smallest fold "
-                f"({smallest_fold} identities x {num_images} images) can form; raise "
-                "num_val_identities or val_images_per_identity, or lower pairs_per_fold"
-            )
-
-    def to_json(self) -> dict[str, int]:
-        """The spec and the generator version as a JSON-ready dict (the `.complete` marker)."""
-        return {"generator_version": GENERATOR_VERSION, **dataclasses.asdict(self)}
 
 
 def train_identity_name(index: int) -> str:
