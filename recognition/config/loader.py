@@ -79,6 +79,7 @@ def config_from_dict(raw: dict[str, Any]) -> ExperimentConfig:
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """A config (or one of its sections) as plain nested dicts and lists."""
     return dataclasses.asdict(cfg)
 
 
