@@ -15,7 +15,7 @@ LOWER = (
     "data",
     "models",
     "heads",
-    "config.py",
+    "config/",
     "distributed.py",
     "precision.py",
     "sharded.py",

@@ -143,9 +143,9 @@ def test_interrupted_generation_is_redone(tiny_root: Path, tmp_path: Path, monke
     def fail_after_half(*args, **kwargs):
         raise KeyboardInterrupt
 
-    import recognition.data.synthetic as synthetic
+    import recognition.data.synthetic.generation as generation
 
-    monkeypatch.setattr(synthetic, "write_lfw_pairs", fail_after_half)
+    monkeypatch.setattr(generation, "write_lfw_pairs", fail_after_half)
     with pytest.raises(KeyboardInterrupt):
         ensure_synthetic_dataset(root, TINY, num_workers=1)
     monkeypatch.undo()

@@ -1,0 +1,81 @@
+"""The `head` section: the margin and its parameters, Partial FC sampling, logit chunks and
+the kernel of the head's local statistics."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from recognition.config.values import ConfigError
+
+MARGIN_NAMES = ("arcface", "cosface", "sphereface", "am_softmax", "combined", "adaface")
+
+
+@dataclass
+class HeadConfig:
+    margin: str = "arcface"
+    """arcface, cosface, sphereface, am_softmax, combined or adaface."""
+    scale: float | None = None
+    """Logit scale s; None takes the margin's default."""
+    m: float | None = None
+    """The margin of arcface / cosface / sphereface / am_softmax / adaface; None takes the
+    default."""
+    m1: float | None = None
+    m2: float | None = None
+    m3: float | None = None
+    """Combined margin s*(cos(m1*theta + m2) - m3); only with margin=combined."""
+    h: float | None = None
+    """AdaFace: how far a norm must lie from the running mean, in running stds (1/h), for the
+    full margin; >= 0, None takes 0.333. Only with margin=adaface."""
+    t_alpha: float | None = None
+    """AdaFace: weight of each batch in the running norm statistics, in [0, 1]; None takes
+    0.01. Only with margin=adaface."""
+    sample_rate: float = 1.0
+    """Fraction of the negative classes each rank samples per step (Partial FC)."""
+    chunk_size: int | None = None
+    """Classes per logit chunk, recomputed in backward (memory O(batch x chunk_size));
+    None keeps the logits of the whole shard for backward (faster, memory O(batch x
+    classes per rank)). None is never replaced by a size chosen automatically."""
+    kernel: Literal["auto", "triton", "torch"] = "auto"
+    """The head's local statistics: torch (the reference code), triton (fused kernels, CUDA
+    or TRITON_INTERPRET=1) or auto (on CUDA the faster of the two, timed at the first step
+    at the run's shapes and cached; torch elsewhere)."""
+    tuning_cache: str | None = None
+    """Folder of the head's measured choices (auto's kernel, the Triton tiles), a JSON file
+    each; null: $XDG_CACHE_HOME/recognition (~/.cache/recognition)."""
+    fused_update: bool = False
+    """Apply the head's SGD step inside the Triton backward (no weight-sized gradient).
+    Needs head.kernel=triton, optim.name=sgd, optim.grad_clip=null, train.accumulate_steps=1
+    and precision O0, or O1 with bf16."""
+
+    def __post_init__(self) -> None:
+        if self.margin not in MARGIN_NAMES:
+            choices = ", ".join(MARGIN_NAMES)
+            raise ConfigError(f"head.margin: unknown {self.margin!r} (choose from {choices})")
+        if self.margin == "combined" and self.m is not None:
+            raise ConfigError("head.m: the combined margin takes head.m1, head.m2 and head.m3")
+        if self.margin != "combined":
+            for name in ("m1", "m2", "m3"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"head.{name}: only used with head.margin=combined")
+        if self.margin == "adaface":
+            self._check_adaface()
+        else:
+            for name in ("h", "t_alpha"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"head.{name}: only used with head.margin=adaface")
+        if self.scale is not None and self.scale <= 0:
+            raise ConfigError("head.scale: must be positive")
+        if not 0.0 < self.sample_rate <= 1.0:
+            raise ConfigError(f"head.sample_rate: {self.sample_rate} is outside (0, 1]")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ConfigError("head.chunk_size: must be at least 1 (or null)")
+
+    def _check_adaface(self) -> None:
+        if self.m is not None and not 0.0 <= self.m < math.pi / 2:
+            raise ConfigError(f"head.m: AdaFace's margin must lie in [0, pi/2), got {self.m}")
+        if self.h is not None and self.h < 0:
+            raise ConfigError(f"head.h: must be >= 0, got {self.h}")
+        if self.t_alpha is not None and not 0.0 <= self.t_alpha <= 1.0:
+            raise ConfigError(f"head.t_alpha: must lie in [0, 1], got {self.t_alpha}")

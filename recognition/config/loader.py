@@ -1,0 +1,163 @@
+"""Loading and saving configs: YAML files with their `base:` chain, dotted command-line
+overrides (parsed as YAML scalars), then conversion to `ExperimentConfig`.
+
+A bare name resolves to `configs/NAME.yaml`; a file may name a `base:` file (relative to
+itself) that it overrides key by key. Every error is a `ConfigError` naming the file or the
+dotted key.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from recognition.config.convert import build_dataclass
+from recognition.config.experiment import ExperimentConfig
+from recognition.config.values import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """A bare name resolves to configs/NAME.yaml; anything else is a path."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists() or len(path.parts) > 1:
+        if not path.is_file():
+            raise ConfigError(f"--config: no such file {str(path)!r}")
+        return path
+    candidate = CONFIG_DIR / f"{name_or_path}.yaml"
+    if not candidate.is_file():
+        known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+        raise ConfigError(
+            f"--config: no config named {name_or_path!r} in {CONFIG_DIR} "
+            f"(known: {', '.join(known) or 'none'})"
+        )
+    return candidate
+
+
+def load_config(
+    name_or_path: str = "default", overrides: list[str] | None = None
+) -> ExperimentConfig:
+    """Load a config file (with its `base:` chain), apply dotted overrides, validate."""
+    path = resolve_config_path(name_or_path)
+    raw = _read_with_bases(path, seen=())
+    raw.setdefault("name", path.stem)
+    for item in overrides or []:
+        _apply_override(raw, item)
+    _followers_follow(raw, overrides or [])
+    return config_from_dict(raw)
+
+
+# (section, key, value, follower): that value set on the command line makes the config
+# file's `follower` of the same section meaningless, so it becomes null, unless the command
+# line sets it too (then a conflict is an error that names the override to add).
+FOLLOWERS = (
+    ("eval", "targets", [], "best_metric"),  # it names one of the targets just removed
+    ("data", "num_workers", 0, "prefetch_factor"),  # batches each worker loads ahead
+)
+
+
+def _followers_follow(raw: dict[str, Any], overrides: list[str]) -> None:
+    """Set to null the file's followers (`FOLLOWERS`) of what the command line set."""
+    keys = {item.partition("=")[0].strip() for item in overrides}
+    for section_name, key, value, follower in FOLLOWERS:
+        section = raw.get(section_name)
+        if f"{section_name}.{key}" not in keys or f"{section_name}.{follower}" in keys:
+            continue
+        if isinstance(section, dict) and section.get(key) == value:
+            if section.get(follower) is not None:
+                section[follower] = None
+
+
+def config_from_dict(raw: dict[str, Any]) -> ExperimentConfig:
+    """Build and validate an ExperimentConfig from a plain mapping."""
+    return build_dataclass(ExperimentConfig, raw, prefix="")
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """A config (or one of its sections) as plain nested dicts and lists."""
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: ExperimentConfig, path: Path) -> None:
+    """Write the resolved config as YAML (a file `load_config` reads back unchanged)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+            "save the config as UTF-8"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return data
+
+
+def _read_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: `base:` chain loops back to itself")
+    data = _read_yaml(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base: must be a file name")
+    base_path = (path.parent / base) if not Path(base).is_absolute() else Path(base)
+    if base_path.suffix == "":
+        base_path = base_path.with_suffix(".yaml")
+    if not base_path.is_file():
+        raise ConfigError(f"{path}: base: no such file {str(base_path)!r}")
+    return _deep_merge(_read_with_bases(base_path, seen + (path,)), data)
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key=value (e.g. optim.lr=0.05)")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    if not key or any(not p for p in parts):
+        raise ConfigError(f"override {item!r}: empty key")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{key}: cannot parse value {text!r}: {exc}") from exc
+    node = raw
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            where = ".".join(parts[: depth + 1])
+            raise ConfigError(f"{key}: {where} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
