@@ -212,13 +212,18 @@ def save_embeddings(path: str | os.PathLike, embeddings: np.ndarray, paths: Sequ
     paths_array = np.asarray([str(p) for p in paths], dtype=str)
     if paths_array.shape != (embeddings.shape[0],):
         raise ValueError(f"paths: {len(paths_array)} paths for {embeddings.shape[0]} embeddings")
-    path = Path(path)
+    write_npz(Path(path), embeddings=embeddings.astype(np.float32), paths=paths_array)
+
+
+def write_npz(path: Path, **arrays: np.ndarray) -> None:
+    """Write ``arrays`` to the ``.npz`` file ``path`` atomically (its folder created): a
+    temporary file in the same folder, then a rename, so a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         # Through a file object: given a name, np.savez would append ".npz" to the temp name.
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, embeddings=embeddings.astype(np.float32), paths=paths_array)
+            np.savez(f, **arrays)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

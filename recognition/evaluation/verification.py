@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from sklearn.metrics import roc_auc_score, roc_curve
 
+from recognition.evaluation.report import text_table
+
 DEFAULT_FAR_TARGETS = (1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6)
 
 
@@ -286,14 +288,4 @@ def format_table(results: Mapping[str, Mapping], far_keys: Sequence[str] | None 
             row.append(f"{r['xnorm']:.2f}" if r.get("xnorm") is not None else "-")
         row += ["-" if tars.get(k) is None else f"{100 * tars[k]:.2f}" for k in far_keys]
         rows.append(row)
-    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-
-    def render(row: list[str]) -> str:
-        # Names left-aligned, numbers right-aligned so their decimal points line up.
-        cells = [row[0].ljust(widths[0])] + [
-            v.rjust(w) for v, w in zip(row[1:], widths[1:], strict=True)
-        ]
-        return "  ".join(cells).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([render(rows[0]), rule] + [render(row) for row in rows[1:]])
+    return text_table(rows)
