@@ -259,10 +259,12 @@ def _check_image_size(backbone: nn.Module, image_size: int | tuple[int, int] | N
 def _ijb(args: argparse.Namespace, image_size: tuple[int, int] | None) -> int:
     """IJB-B/C verification or identification (--ijb): the table, and JSON / ROC when asked."""
     from recognition.distributed import pick_device
-    from recognition.evaluation import ijb
+    from recognition.evaluation.ijb.report import report_ijb, report_search
+    from recognition.evaluation.ijb.search import evaluate_ijb_search
+    from recognition.evaluation.ijb.verification import evaluate_ijb
 
     _check_ijb_args(args)
-    evaluate_mode = ijb.evaluate_ijb_search if args.ijb_mode == "1n" else ijb.evaluate_ijb
+    evaluate_mode = evaluate_ijb_search if args.ijb_mode == "1n" else evaluate_ijb
     results = evaluate_mode(
         args.ijb,
         args.ijb_name,
@@ -276,9 +278,9 @@ def _ijb(args: argparse.Namespace, image_size: tuple[int, int] | None) -> int:
         num_workers=args.workers,
     )
     if args.ijb_mode == "1n":
-        ijb.report_search(results, json_path=args.json)
+        report_search(results, json_path=args.json)
     else:
-        ijb.report_ijb(results, json_path=args.json, roc_path=args.roc)
+        report_ijb(results, json_path=args.json, roc_path=args.roc)
     return 0
 
 

@@ -23,8 +23,9 @@ One concern a module, each importing only those above it in this list:
     search           1:N: the tiled gallery search, CMC, TPIR@FPIR; evaluate_ijb_search
     report           the console tables, JSON and ROC plot of both modes
 
-The names below are those ``recognition.evaluation.ijb`` has always offered; the 1:N names
-are also offered by :mod:`recognition.evaluation.ijb_search`.
+The names below are those ``recognition.evaluation.ijb`` has always offered (and
+``IJBOptions``); the 1:N ones are in ``search_protocol``, ``search`` and ``report``, and
+:mod:`recognition.evaluation.ijb_search` offers them under its former name.
 """
 
 from recognition.evaluation.ijb.features import (
@@ -47,29 +48,7 @@ from recognition.evaluation.ijb.protocol import (
     read_pairs,
 )
 from recognition.evaluation.ijb.release import IJBOptions, default_threads
-from recognition.evaluation.ijb.report import (
-    format_ijb_table,
-    format_search_table,
-    report_ijb,
-    report_search,
-)
-from recognition.evaluation.ijb.search import (
-    DEFAULT_FPIR_TARGETS,
-    DEFAULT_RANKS,
-    TOP_K,
-    SearchResult,
-    evaluate_ijb_search,
-    identification_metrics,
-    search_gallery,
-)
-from recognition.evaluation.ijb.search_protocol import (
-    GALLERIES,
-    SearchProtocol,
-    TemplateList,
-    load_search_protocol,
-    read_template_list,
-    search_meta_files,
-)
+from recognition.evaluation.ijb.report import format_ijb_table, report_ijb
 from recognition.evaluation.ijb.templates import NO_FEATURE_SCORE, template_features
 from recognition.evaluation.ijb.verification import (
     ROC_POINTS,
@@ -80,31 +59,20 @@ from recognition.evaluation.ijb.verification import (
 from recognition.evaluation.verification import far_key
 
 __all__ = [
-    "DEFAULT_FPIR_TARGETS",
-    "DEFAULT_RANKS",
-    "GALLERIES",
     "IJB_NAMES",
     "NO_FEATURE_SCORE",
     "ROC_POINTS",
-    "TOP_K",
     "AlignedFaces",
     "IJBOptions",
     "IJBProtocol",
-    "SearchProtocol",
-    "SearchResult",
-    "TemplateList",
     "cached_features",
     "default_threads",
     "evaluate_ijb",
-    "evaluate_ijb_search",
     "far_key",
     "format_ijb_table",
-    "format_search_table",
-    "identification_metrics",
     "image_features",
     "load_features",
     "load_protocol",
-    "load_search_protocol",
     "meta_files",
     "model_digest",
     "numbered_lines",
@@ -112,13 +80,9 @@ __all__ = [
     "read_faces",
     "read_landmarks",
     "read_pairs",
-    "read_template_list",
     "report_ijb",
-    "report_search",
     "roc_metrics",
     "save_features",
     "score_pairs",
-    "search_gallery",
-    "search_meta_files",
     "template_features",
 ]
