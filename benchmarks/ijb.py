@@ -22,14 +22,7 @@ import argparse
 
 import numpy as np
 
-from benchmarks.timing import (
-    add_output_args,
-    add_thread_args,
-    cpus,
-    over_threads,
-    save_results,
-    timed,
-)
+from benchmarks import timing
 from recognition.evaluation.ijb import roc_metrics, score_pairs
 
 IJBC_PAIRS = 15_658_489
@@ -67,8 +60,10 @@ def score_and_roc(
     features: np.ndarray, left: np.ndarray, right: np.ndarray, issame: np.ndarray, threads: int
 ) -> tuple[tuple[np.ndarray, dict], list[float]]:
     """One run: ((scores, metrics), [score s, score CPU s, roc s, roc CPU s])."""
-    scores, score_wall, score_cpu = timed(score_pairs, features, left, right, num_threads=threads)
-    metrics, roc_wall, roc_cpu = timed(roc_metrics, scores, issame)
+    scores, score_wall, score_cpu = timing.timed(
+        score_pairs, features, left, right, num_threads=threads
+    )
+    metrics, roc_wall, roc_cpu = timing.timed(roc_metrics, scores, issame)
     return (scores, metrics), [score_wall, score_cpu, roc_wall, roc_cpu]
 
 
@@ -76,8 +71,8 @@ def time_sklearn(issame: np.ndarray, scores: np.ndarray) -> float:
     """Seconds of scikit-learn's roc_curve + roc_auc_score on the same scores."""
     from sklearn.metrics import roc_auc_score, roc_curve
 
-    _, roc_s, _ = timed(roc_curve, issame, scores)
-    _, auc_s, _ = timed(roc_auc_score, issame, scores)
+    _, roc_s, _ = timing.timed(roc_curve, issame, scores)
+    _, auc_s, _ = timing.timed(roc_auc_score, issame, scores)
     return roc_s + auc_s
 
 
@@ -105,18 +100,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--templates", type=int, default=23_000)
     parser.add_argument("--pairs", type=int, default=IJBC_PAIRS)
-    add_thread_args(parser, repeats=1, repeats_help="best of this many runs")
+    timing.add_thread_args(parser, repeats=1, repeats_help="best of this many runs")
     parser.add_argument("--sklearn", action="store_true", help="also time sklearn's roc_curve")
-    add_output_args(parser)
+    timing.add_output_args(parser)
     args = parser.parse_args(argv)
 
     features, left, right, issame = make_problem(args.templates, args.pairs, args.dim, args.seed)
     print(
         f"{len(features):,} templates x {args.dim}, {len(left):,} pairs "
-        f"({int(issame.sum()):,} genuine); {cpus()}",
+        f"({int(issame.sum()):,} genuine); {timing.cpus()}",
         flush=True,
     )
-    measured = over_threads(
+    measured = timing.over_threads(
         lambda threads: score_and_roc(features, left, right, issame, threads),
         args.threads,
         args.repeats,
@@ -140,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     last_scores = measured[-1][2][0]
     sklearn_s = time_sklearn(issame, last_scores) if args.sklearn else None
     print_rows(rows, sklearn_s, reference=measured[0][2][1])
-    save_results(
+    timing.save_results(
         args.json,
         {
             "templates": len(features),

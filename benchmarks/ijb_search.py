@@ -25,15 +25,8 @@ import statistics
 
 import numpy as np
 
+from benchmarks import timing
 from benchmarks.table import print_table
-from benchmarks.timing import (
-    add_output_args,
-    add_thread_args,
-    cpus,
-    over_threads,
-    save_results,
-    timed,
-)
 from recognition.evaluation.ijb_search import identification_metrics, search_gallery
 
 
@@ -66,8 +59,8 @@ def run_once(galleries, probes, mates, threads: int) -> tuple[list[dict], list[f
     metrics s, metrics CPU s])."""
     metrics, times = [], [0.0, 0.0, 0.0, 0.0]
     for gallery, mate in zip(galleries, mates, strict=True):
-        result, wall, cpu = timed(search_gallery, probes, gallery, mate, num_threads=threads)
-        measured, m_wall, m_cpu = timed(identification_metrics, result)
+        result, wall, cpu = timing.timed(search_gallery, probes, gallery, mate, num_threads=threads)
+        measured, m_wall, m_cpu = timing.timed(identification_metrics, result)
         metrics.append(measured)
         for i, value in enumerate((wall, cpu, m_wall, m_cpu)):
             times[i] += value
@@ -88,18 +81,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gallery", type=int, default=3_500, help="templates, both galleries")
     parser.add_argument("--probes", type=int, default=20_000)
-    add_thread_args(parser, repeats=5, repeats_help="median of this many runs")
+    timing.add_thread_args(parser, repeats=5, repeats_help="median of this many runs")
     parser.add_argument("--full-sort", action="store_true", help="also time the full argsort")
-    add_output_args(parser)
+    timing.add_output_args(parser)
     args = parser.parse_args(argv)
 
     galleries, probes, mates = make_problem(args.gallery, args.probes, args.dim, args.seed)
     print(
         f"{args.probes:,} probes x {len(galleries[0]):,} + {len(galleries[1]):,} gallery "
-        f"templates x {args.dim}; {cpus()}",
+        f"templates x {args.dim}; {timing.cpus()}",
         flush=True,
     )
-    measured = over_threads(
+    measured = timing.over_threads(
         lambda threads: run_once(galleries, probes, mates, threads), args.threads, args.repeats
     )
     rows = []
@@ -119,11 +112,11 @@ def main(argv: list[str] | None = None) -> None:
     reference = measured[0][2]
     full_sort_s = None
     if args.full_sort:
-        hits, full_sort_s, _ = timed(full_sort, galleries, probes, mates)
+        hits, full_sort_s, _ = timing.timed(full_sort, galleries, probes, mates)
         for hit, metrics in zip(hits, reference, strict=True):
             assert hit == round(metrics["cmc"]["1"] * metrics["num_mated"]), (hit, metrics)
     print_rows(rows, full_sort_s, reference)
-    save_results(
+    timing.save_results(
         args.json,
         {
             "gallery": [len(g) for g in galleries],
