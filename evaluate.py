@@ -35,6 +35,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    _add_source_args(parser)
+    _add_ijb_args(parser)
+    _add_output_args(parser)
+    _add_extraction_args(parser)
+    return parser.parse_args(argv)
+
+
+def _add_source_args(parser: argparse.ArgumentParser) -> None:
+    """What is evaluated: a model or stored embeddings, and on which pairs, .bin or re-id set."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", type=Path, help="backbone.pt or a training checkpoint")
     source.add_argument("--embeddings", type=Path, help=".npz with embeddings and paths")
@@ -62,6 +71,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="re-id ranking (CMC, mAP) on a Market-1501 layout: ROOT/query and "
         "ROOT/bounding_box_test; with --embeddings no ROOT is needed",
     )
+
+
+def _add_ijb_args(parser: argparse.ArgumentParser) -> None:
+    """The IJB-B/C modes (--ijb ...)."""
     parser.add_argument(
         "--ijb",
         type=Path,
@@ -88,6 +101,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="with --ijb: the image features are read from F.npz when it exists (no model "
         "runs), else computed and written there; one file serves both --ijb-modes",
     )
+
+
+def _add_output_args(parser: argparse.ArgumentParser) -> None:
+    """The run evaluated by default, and the files written."""
     parser.add_argument(
         "--config",
         default="default",
@@ -102,6 +119,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="EMB.npz",
         help="write the embeddings (and image paths) of every image evaluated",
     )
+
+
+def _add_extraction_args(parser: argparse.ArgumentParser) -> None:
+    """How the embeddings are made: input size, crop, batch, flip, device, workers."""
     parser.add_argument(
         "--image-size",
         metavar="N|HxW",
@@ -123,7 +144,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--workers", type=int, default=2, help="image loading processes")
-    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,82 +152,91 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {version_error}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from recognition.checkpoint import load_backbone
-    from recognition.distributed import pick_device
-    from recognition.evaluation import reid, run
-    from recognition.evaluation.embeddings import Extraction
-
     try:
-        image_size_arg = None
+        image_size = None
         if args.image_size is not None:
-            image_size_arg = parse_image_size(args.image_size, "--image-size")
+            image_size = parse_image_size(args.image_size, "--image-size")
         if args.ijb is not None:
-            return _ijb(args, image_size_arg)
+            return _ijb(args, image_size)
         if args.embeddings is not None:
-            results, is_reid = _from_embeddings(args, run), args.reid is not None
+            results = _from_embeddings(args)
         else:
-            checkpoint, targets = args.checkpoint, None
-            if checkpoint is None:
-                # The last run of a config: its backbone export and its own eval targets.
-                cfg = load_config(args.config)
-                checkpoint = cfg.run_dir / "backbone.pt"
-                if not checkpoint.is_file():
-                    raise FileNotFoundError(
-                        f"{checkpoint}: no trained backbone yet; run `python train.py "
-                        f"--config {args.config}` first, or pass --checkpoint"
-                    )
-                targets = cfg.eval.targets
-            targets = _targets(args) or targets
-            device = pick_device(args.device)
-            backbone, image_size = load_backbone(checkpoint, device)
-            extraction = Extraction(args.batch_size, not args.no_flip, device, args.workers)
-            _check_image_size(backbone, image_size_arg)
-            image_size = image_size_arg or image_size
-            is_reid = args.reid is not None
-            if is_reid:
-                results = {
-                    args.reid.resolve().name: reid.evaluate_reid(
-                        backbone,
-                        args.reid,
-                        image_size,
-                        extraction,
-                        export_path=args.export_embeddings,
-                    )
-                }
-            elif not targets and args.images is not None and args.export_embeddings:
-                # An image folder and nothing to verify: embeddings only.
-                run.export_folder(
-                    backbone,
-                    args.images,
-                    args.export_embeddings,
-                    image_size,
-                    extraction,
-                    crop=args.crop,
-                )
-                return 0
-            else:
-                if not targets:
-                    raise ValueError(
-                        "nothing to evaluate: pass --pairs (and --images), --bin or --reid"
-                    )
-                results = run.evaluate_targets(
-                    backbone,
-                    targets,
-                    image_size,
-                    extraction,
-                    export_path=args.export_embeddings,
-                    xnorm=args.xnorm,
-                )
-        if is_reid:
-            reid.report_reid(results, json_path=args.json)
-        else:
-            run.report(results, json_path=args.json, roc_path=args.roc, flat_json=True)
+            results = _from_checkpoint(args, image_size)
+        if results is not None:
+            _report(args, results)
     except (ConfigError, ValueError, OSError) as exc:
         from recognition.data.workers import error_message
 
         print(f"error: {error_message(exc)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _from_checkpoint(
+    args: argparse.Namespace, image_size_arg: tuple[int, int] | None
+) -> dict[str, dict] | None:
+    """Results of a checkpoint's backbone on the command line's targets (or its run's, or
+    re-id); None when it only wrote the embeddings of an image folder."""
+    from recognition.checkpoint import load_backbone
+    from recognition.distributed import pick_device
+    from recognition.evaluation import reid, run
+    from recognition.evaluation.embeddings import Extraction
+
+    checkpoint, targets = _checkpoint_and_targets(args)
+    device = pick_device(args.device)
+    backbone, image_size = load_backbone(checkpoint, device)
+    extraction = Extraction(args.batch_size, not args.no_flip, device, args.workers)
+    _check_image_size(backbone, image_size_arg)
+    image_size = image_size_arg or image_size
+    if args.reid is not None:
+        name = args.reid.resolve().name
+        return {
+            name: reid.evaluate_reid(
+                backbone, args.reid, image_size, extraction, export_path=args.export_embeddings
+            )
+        }
+    if not targets and args.images is not None and args.export_embeddings:
+        # An image folder and nothing to verify: embeddings only.
+        run.export_folder(
+            backbone, args.images, args.export_embeddings, image_size, extraction, crop=args.crop
+        )
+        return None
+    if not targets:
+        raise ValueError("nothing to evaluate: pass --pairs (and --images), --bin or --reid")
+    return run.evaluate_targets(
+        backbone,
+        targets,
+        image_size,
+        extraction,
+        export_path=args.export_embeddings,
+        xnorm=args.xnorm,
+    )
+
+
+def _checkpoint_and_targets(args: argparse.Namespace) -> tuple[Path, list[EvalTarget] | None]:
+    """--checkpoint and the targets named on the command line; without --checkpoint, the
+    last run of --config: its backbone export and (unless targets are named) its targets."""
+    checkpoint, targets = args.checkpoint, None
+    if checkpoint is None:
+        cfg = load_config(args.config)
+        checkpoint = cfg.run_dir / "backbone.pt"
+        if not checkpoint.is_file():
+            raise FileNotFoundError(
+                f"{checkpoint}: no trained backbone yet; run `python train.py "
+                f"--config {args.config}` first, or pass --checkpoint"
+            )
+        targets = cfg.eval.targets
+    return checkpoint, _targets(args) or targets
+
+
+def _report(args: argparse.Namespace, results: dict[str, dict]) -> None:
+    """Print the table of ``results``; write --json (and --roc for verification)."""
+    from recognition.evaluation import reid, run
+
+    if args.reid is not None:
+        reid.report_reid(results, json_path=args.json)
+    else:
+        run.report(results, json_path=args.json, roc_path=args.roc, flat_json=True)
 
 
 def _check_image_size(backbone: nn.Module, image_size: int | tuple[int, int] | None) -> None:
@@ -230,19 +259,12 @@ def _check_image_size(backbone: nn.Module, image_size: int | tuple[int, int] | N
 def _ijb(args: argparse.Namespace, image_size: tuple[int, int] | None) -> int:
     """IJB-B/C verification or identification (--ijb): the table, and JSON / ROC when asked."""
     from recognition.distributed import pick_device
-    from recognition.evaluation import ijb, ijb_search
+    from recognition.evaluation.ijb.report import report_ijb, report_search
+    from recognition.evaluation.ijb.search import evaluate_ijb_search
+    from recognition.evaluation.ijb.verification import evaluate_ijb
 
-    if args.embeddings is not None or args.pairs or args.bin or args.reid is not None:
-        raise ValueError("--ijb: takes --checkpoint, not --embeddings, --pairs, --bin or --reid")
-    if args.ijb_name is None:
-        raise ValueError("--ijb: needs --ijb-name ijbb or ijbc")
-    if args.ijb_mode == "1n" and args.roc is not None:
-        raise ValueError("--roc: the 1:1 mode's curve; --ijb-mode 1n has none")
-    for path, flag in ((args.json, "--json"), (args.roc, "--roc")):
-        # Found now, not after hours of extraction.
-        if path is not None and path.is_dir():
-            raise ValueError(f"{flag}: {path} is a folder")
-    evaluate_mode = ijb_search.evaluate_ijb_search if args.ijb_mode == "1n" else ijb.evaluate_ijb
+    _check_ijb_args(args)
+    evaluate_mode = evaluate_ijb_search if args.ijb_mode == "1n" else evaluate_ijb
     results = evaluate_mode(
         args.ijb,
         args.ijb_name,
@@ -256,10 +278,24 @@ def _ijb(args: argparse.Namespace, image_size: tuple[int, int] | None) -> int:
         num_workers=args.workers,
     )
     if args.ijb_mode == "1n":
-        ijb_search.report_search(results, json_path=args.json)
+        report_search(results, json_path=args.json)
     else:
-        ijb.report_ijb(results, json_path=args.json, roc_path=args.roc)
+        report_ijb(results, json_path=args.json, roc_path=args.roc)
     return 0
+
+
+def _check_ijb_args(args: argparse.Namespace) -> None:
+    """Refuse flags --ijb does not take, or output paths it could not write, before any work."""
+    if args.embeddings is not None or args.pairs or args.bin or args.reid is not None:
+        raise ValueError("--ijb: takes --checkpoint, not --embeddings, --pairs, --bin or --reid")
+    if args.ijb_name is None:
+        raise ValueError("--ijb: needs --ijb-name ijbb or ijbc")
+    if args.ijb_mode == "1n" and args.roc is not None:
+        raise ValueError("--roc: the 1:1 mode's curve; --ijb-mode 1n has none")
+    for path, flag in ((args.json, "--json"), (args.roc, "--roc")):
+        # Found now, not after hours of extraction.
+        if path is not None and path.is_dir():
+            raise ValueError(f"{flag}: {path} is a folder")
 
 
 def _targets(args: argparse.Namespace) -> list[EvalTarget]:
@@ -272,7 +308,7 @@ def _targets(args: argparse.Namespace) -> list[EvalTarget]:
     return targets
 
 
-def _from_embeddings(args: argparse.Namespace, run) -> dict[str, dict]:
+def _from_embeddings(args: argparse.Namespace) -> dict[str, dict]:
     """Results computed from an embeddings file alone (pairs verification or re-id)."""
     from recognition.data.pairs import load_pairs
     from recognition.evaluation import reid

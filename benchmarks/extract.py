@@ -82,7 +82,7 @@ def write_images(folder: Path, num: int, size: int) -> list[str]:
     return names
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="default", help="config whose model to time")
     parser.add_argument("--backbone", help="override model.backbone")
@@ -95,8 +95,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path, help="write the results here")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def row(what: str, batch: int, flip: bool, workers: int | None, rate: float) -> dict:
+    return {"what": what, "batch": batch, "flip": flip, "workers": workers, "images_per_sec": rate}
+
+
+def model_rows(model: torch.nn.Module, args: argparse.Namespace, size: int) -> list[dict]:
+    """The model alone, for each batch size, without and with flip."""
+    input_height, input_width = image_size_pair(size)
+    rows = []
+    for batch_size in args.batch_sizes:
+        x = torch.randn(batch_size, 3, input_height, input_width)
+        for flip in (False, True):
+            rate = time_model(model, x, flip, args.repeats)
+            rows.append(row("model", batch_size, flip, None, rate))
+    return rows
+
+
+def pipeline_rows(model: torch.nn.Module, args: argparse.Namespace, size: int) -> list[dict]:
+    """extract_embeddings over written JPEGs, for each worker count, without and with flip."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        names = write_images(Path(tmp), args.images, args.source_size)
+        dataset = PathDataset(names, size=size, root=tmp)
+        for workers in args.workers:
+            for flip in (False, True):
+                batch_size = max(args.batch_sizes)
+                rate = time_pipeline(model, dataset, batch_size, flip, workers, args.repeats)
+                rows.append(row("pipeline", batch_size, flip, workers, rate))
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    header = f"{'what':<9} {'batch':>5} {'flip':>5} {'workers':>7} {'images/s':>9} {'ms/image':>9}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        workers = "-" if r["workers"] is None else str(r["workers"])
+        print(
+            f"{r['what']:<9} {r['batch']:>5} {'on' if r['flip'] else 'off':>5} {workers:>7} "
+            f"{r['images_per_sec']:>9.1f} {1000 / r['images_per_sec']:>9.2f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config)
     backbone_name = args.backbone or cfg.model.backbone
@@ -118,46 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.threads} thread(s), torch {torch.__version__}"
     )
 
-    rows = []
-    for batch_size in args.batch_sizes:
-        x = torch.randn(batch_size, 3, input_height, input_width)
-        for flip in (False, True):
-            rate = time_model(model, x, flip, args.repeats)
-            rows.append(
-                {
-                    "what": "model",
-                    "batch": batch_size,
-                    "flip": flip,
-                    "workers": None,
-                    "images_per_sec": rate,
-                }
-            )
-    with tempfile.TemporaryDirectory() as tmp:
-        names = write_images(Path(tmp), args.images, args.source_size)
-        dataset = PathDataset(names, size=size, root=tmp)
-        for workers in args.workers:
-            for flip in (False, True):
-                batch_size = max(args.batch_sizes)
-                rate = time_pipeline(model, dataset, batch_size, flip, workers, args.repeats)
-                rows.append(
-                    {
-                        "what": "pipeline",
-                        "batch": batch_size,
-                        "flip": flip,
-                        "workers": workers,
-                        "images_per_sec": rate,
-                    }
-                )
-
-    header = f"{'what':<9} {'batch':>5} {'flip':>5} {'workers':>7} {'images/s':>9} {'ms/image':>9}"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        workers = "-" if r["workers"] is None else str(r["workers"])
-        print(
-            f"{r['what']:<9} {r['batch']:>5} {'on' if r['flip'] else 'off':>5} {workers:>7} "
-            f"{r['images_per_sec']:>9.1f} {1000 / r['images_per_sec']:>9.2f}"
-        )
+    rows = model_rows(model, args, size) + pipeline_rows(model, args, size)
+    print_rows(rows)
     if args.json is not None:
         payload = {
             "backbone": backbone_name,

@@ -19,13 +19,10 @@ steadier figure: it does not grow while the process waits for a core). The targe
 from __future__ import annotations
 
 import argparse
-import os
-import time
-from pathlib import Path
 
 import numpy as np
 
-from benchmarks.table import machine, write_json
+from benchmarks import timing
 from recognition.evaluation.ijb import roc_metrics, score_pairs
 
 IJBC_PAIRS = 15_658_489
@@ -59,66 +56,28 @@ def make_problem(
     return features, left[keep], right[keep], issame
 
 
-def timed(fn, *args, **kwargs):
-    """(result, wall seconds, CPU seconds of this process) of fn(*args, **kwargs)."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    result = fn(*args, **kwargs)
-    return result, time.perf_counter() - wall, time.process_time() - cpu
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--templates", type=int, default=23_000)
-    parser.add_argument("--pairs", type=int, default=IJBC_PAIRS)
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--repeats", type=int, default=1, help="best of this many runs")
-    parser.add_argument("--sklearn", action="store_true", help="also time sklearn's roc_curve")
-    parser.add_argument("--json", type=Path, help="write the measurements here")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-
-    features, left, right, issame = make_problem(args.templates, args.pairs, args.dim, args.seed)
-    print(
-        f"{len(features):,} templates x {args.dim}, {len(left):,} pairs "
-        f"({int(issame.sum()):,} genuine); {os.cpu_count()} CPUs visible, "
-        f"{len(os.sched_getaffinity(0))} usable",
-        flush=True,
+def score_and_roc(
+    features: np.ndarray, left: np.ndarray, right: np.ndarray, issame: np.ndarray, threads: int
+) -> tuple[tuple[np.ndarray, dict], list[float]]:
+    """One run: ((scores, metrics), [score s, score CPU s, roc s, roc CPU s])."""
+    scores, score_wall, score_cpu = timing.timed(
+        score_pairs, features, left, right, num_threads=threads
     )
-    rows = []
-    reference = None
-    for threads in args.threads:
-        best = None
-        for _ in range(args.repeats):
-            scores, score_wall, score_cpu = timed(
-                score_pairs, features, left, right, num_threads=threads
-            )
-            metrics, roc_wall, roc_cpu = timed(roc_metrics, scores, issame)
-            run = (score_wall, score_cpu, roc_wall, roc_cpu)
-            if best is None or sum(run[::2]) < sum(best[::2]):
-                best = run
-        if reference is None:
-            reference = metrics
-        rows.append(
-            {
-                "threads": threads,
-                "score_s": best[0],
-                "score_cpu_s": best[1],
-                "roc_s": best[2],
-                "roc_cpu_s": best[3],
-                "total_s": best[0] + best[2],
-                "auc": metrics["auc"],
-                "tar_at_far": metrics["tar_at_far"],
-            }
-        )
-    sklearn_s = None
-    if args.sklearn:
-        from sklearn.metrics import roc_auc_score, roc_curve
+    metrics, roc_wall, roc_cpu = timing.timed(roc_metrics, scores, issame)
+    return (scores, metrics), [score_wall, score_cpu, roc_wall, roc_cpu]
 
-        _, roc_s, _ = timed(roc_curve, issame, scores)
-        _, auc_s, _ = timed(roc_auc_score, issame, scores)
-        sklearn_s = roc_s + auc_s
 
+def time_sklearn(issame: np.ndarray, scores: np.ndarray) -> float:
+    """Seconds of scikit-learn's roc_curve + roc_auc_score on the same scores."""
+    from sklearn.metrics import roc_auc_score, roc_curve
+
+    _, roc_s, _ = timing.timed(roc_curve, issame, scores)
+    _, auc_s, _ = timing.timed(roc_auc_score, issame, scores)
+    return roc_s + auc_s
+
+
+def print_rows(rows: list[dict], sklearn_s: float | None, reference: dict) -> None:
+    """The table of the runs, scikit-learn's time, and the reference run's metrics."""
     header = (
         f"{'threads':>7}  {'score s':>8}  {'(cpu)':>7}  {'roc s':>6}  {'(cpu)':>6}  {'total s':>8}"
     )
@@ -135,18 +94,58 @@ def main(argv: list[str] | None = None) -> None:
         f"{k}: {'-' if v is None else f'{100 * v:.2f}'}" for k, v in reference["tar_at_far"].items()
     )
     print(f"AUC {reference['auc']:.4f}; TAR % at FAR {tars}")
-    if args.json is not None:
-        payload = {
-            **machine(),
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--templates", type=int, default=23_000)
+    parser.add_argument("--pairs", type=int, default=IJBC_PAIRS)
+    timing.add_thread_args(parser, repeats=1, repeats_help="best of this many runs")
+    parser.add_argument("--sklearn", action="store_true", help="also time sklearn's roc_curve")
+    timing.add_output_args(parser)
+    args = parser.parse_args(argv)
+
+    features, left, right, issame = make_problem(args.templates, args.pairs, args.dim, args.seed)
+    print(
+        f"{len(features):,} templates x {args.dim}, {len(left):,} pairs "
+        f"({int(issame.sum()):,} genuine); {timing.cpus()}",
+        flush=True,
+    )
+    measured = timing.over_threads(
+        lambda threads: score_and_roc(features, left, right, issame, threads),
+        args.threads,
+        args.repeats,
+    )
+    rows = []
+    for threads, runs, (_, metrics) in measured:
+        # The best run: the least wall time of score + roc.
+        score_s, score_cpu_s, roc_s, roc_cpu_s = min(runs, key=lambda run: run[0] + run[2])
+        rows.append(
+            {
+                "threads": threads,
+                "score_s": score_s,
+                "score_cpu_s": score_cpu_s,
+                "roc_s": roc_s,
+                "roc_cpu_s": roc_cpu_s,
+                "total_s": score_s + roc_s,
+                "auc": metrics["auc"],
+                "tar_at_far": metrics["tar_at_far"],
+            }
+        )
+    last_scores = measured[-1][2][0]
+    sklearn_s = time_sklearn(issame, last_scores) if args.sklearn else None
+    print_rows(rows, sklearn_s, reference=measured[0][2][1])
+    timing.save_results(
+        args.json,
+        {
             "templates": len(features),
             "dim": args.dim,
             "pairs": len(left),
             "genuine": int(issame.sum()),
             "runs": rows,
             "sklearn_roc_s": sklearn_s,
-        }
-        write_json(args.json, payload)
-        print(f"wrote {args.json}")
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -21,14 +21,12 @@ and one argsort per probe row, for both galleries.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import time
-from pathlib import Path
 
 import numpy as np
 
-from benchmarks.table import machine, print_table, write_json
+from benchmarks import timing
+from benchmarks.table import print_table
 from recognition.evaluation.ijb_search import identification_metrics, search_gallery
 
 
@@ -56,20 +54,13 @@ def make_problem(
     return [gallery[:split], gallery[split:]], probes, mates
 
 
-def timed(fn, *args, **kwargs):
-    """(result, wall seconds, CPU seconds of this process) of fn(*args, **kwargs)."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    result = fn(*args, **kwargs)
-    return result, time.perf_counter() - wall, time.process_time() - cpu
-
-
 def run_once(galleries, probes, mates, threads: int) -> tuple[list[dict], list[float]]:
     """Both galleries searched and measured: (their metrics, [search s, search CPU s,
     metrics s, metrics CPU s])."""
     metrics, times = [], [0.0, 0.0, 0.0, 0.0]
     for gallery, mate in zip(galleries, mates, strict=True):
-        result, wall, cpu = timed(search_gallery, probes, gallery, mate, num_threads=threads)
-        measured, m_wall, m_cpu = timed(identification_metrics, result)
+        result, wall, cpu = timing.timed(search_gallery, probes, gallery, mate, num_threads=threads)
+        measured, m_wall, m_cpu = timing.timed(identification_metrics, result)
         metrics.append(measured)
         for i, value in enumerate((wall, cpu, m_wall, m_cpu)):
             times[i] += value
@@ -90,28 +81,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gallery", type=int, default=3_500, help="templates, both galleries")
     parser.add_argument("--probes", type=int, default=20_000)
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--repeats", type=int, default=5, help="median of this many runs")
+    timing.add_thread_args(parser, repeats=5, repeats_help="median of this many runs")
     parser.add_argument("--full-sort", action="store_true", help="also time the full argsort")
-    parser.add_argument("--json", type=Path, help="write the measurements here")
-    parser.add_argument("--seed", type=int, default=0)
+    timing.add_output_args(parser)
     args = parser.parse_args(argv)
 
     galleries, probes, mates = make_problem(args.gallery, args.probes, args.dim, args.seed)
     print(
         f"{args.probes:,} probes x {len(galleries[0]):,} + {len(galleries[1]):,} gallery "
-        f"templates x {args.dim}; {os.cpu_count()} CPUs visible, "
-        f"{len(os.sched_getaffinity(0))} usable",
+        f"templates x {args.dim}; {timing.cpus()}",
         flush=True,
     )
-    rows, reference = [], None
-    for threads in args.threads:
-        runs = []
-        for _ in range(args.repeats):
-            metrics, times = run_once(galleries, probes, mates, threads)
-            runs.append(times)
-        reference = reference or metrics
+    measured = timing.over_threads(
+        lambda threads: run_once(galleries, probes, mates, threads), args.threads, args.repeats
+    )
+    rows = []
+    for threads, runs, _ in measured:
         median = [statistics.median(r[i] for r in runs) for i in range(4)]
         rows.append(
             {
@@ -124,12 +109,29 @@ def main(argv: list[str] | None = None) -> None:
                 "runs": runs,
             }
         )
+    reference = measured[0][2]
     full_sort_s = None
     if args.full_sort:
-        hits, full_sort_s, _ = timed(full_sort, galleries, probes, mates)
+        hits, full_sort_s, _ = timing.timed(full_sort, galleries, probes, mates)
         for hit, metrics in zip(hits, reference, strict=True):
             assert hit == round(metrics["cmc"]["1"] * metrics["num_mated"]), (hit, metrics)
+    print_rows(rows, full_sort_s, reference)
+    timing.save_results(
+        args.json,
+        {
+            "gallery": [len(g) for g in galleries],
+            "probes": args.probes,
+            "dim": args.dim,
+            "repeats": args.repeats,
+            "results": rows,
+            "full_sort_s": full_sort_s,
+            "metrics": reference,
+        },
+    )
 
+
+def print_rows(rows: list[dict], full_sort_s: float | None, reference: list[dict]) -> None:
+    """The table of the runs, the full sort's time, and each gallery's metrics."""
     print_table(
         [("threads", 7), ("search s", 9), ("(cpu)", 7), ("metrics s", 10), ("(cpu)", 7),
          ("total s", 8)],
@@ -144,19 +146,6 @@ def main(argv: list[str] | None = None) -> None:
         tpir = ", ".join(f"FPIR {k}: {100 * v:.2f}" for k, v in m["tpir_at_fpir"].items())
         print(f"{name}: {m['num_mated']:,} mated, {m['num_non_mated']:,} non-mated; CMC % {cmc}; "
               f"TPIR % {tpir}")  # fmt: skip
-    if args.json is not None:
-        payload = {
-            **machine(),
-            "gallery": [len(g) for g in galleries],
-            "probes": args.probes,
-            "dim": args.dim,
-            "repeats": args.repeats,
-            "results": rows,
-            "full_sort_s": full_sort_s,
-            "metrics": reference,
-        }
-        write_json(args.json, payload)
-        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

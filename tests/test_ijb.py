@@ -259,6 +259,13 @@ def test_metrics_equal_scikit_learn_on_the_same_scores():
 # ------------------------------------------------------------------------------ meta files
 
 
+def replace_line(path: Path, line: int, text: str) -> None:
+    """Line ``line`` (1-based) of the text file ``path`` replaced by ``text``."""
+    lines = path.read_text().splitlines()
+    lines[line - 1] = text
+    path.write_text("\n".join(lines) + "\n")
+
+
 @pytest.mark.parametrize(
     ("file", "line", "bad", "message"),
     [
@@ -278,9 +285,7 @@ def test_malformed_meta_line_names_file_and_line(tmp_path, file, line, bad, mess
     root = tmp_path / "IJBC"
     write_ijb(root, "ijbc", num_ids=2, templates_per_id=2)
     path = root / "meta" / f"ijbc_{file}.txt"
-    lines = path.read_text().splitlines()
-    lines[line - 1] = bad
-    path.write_text("\n".join(lines) + "\n")
+    replace_line(path, line, bad)
     with pytest.raises(ValueError, match=message) as error:
         ijb.load_protocol(root, "ijbc")
     assert f"{path}:{line}:" in str(error.value)

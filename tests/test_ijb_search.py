@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 from sklearn.datasets import load_sample_image
 from test_cli_faults import one_error_line
-from test_ijb import FACE, LOOSE, SIZE, loose_crop
+from test_ijb import FACE, LOOSE, SIZE, loose_crop, replace_line
 
 import evaluate
 from recognition import checkpoint as ckpt
@@ -309,13 +309,11 @@ def test_malformed_1n_line_names_file_and_line(tmp_path, file, line, bad, messag
     release = make_release(rng, "ijbc", 4, (2, 3))
     write_meta(root, "ijbc", release)
     path = root / "meta" / f"ijbc_1N_{file}.csv"
-    lines = path.read_text().splitlines()
     if bad is None:  # the template of the line before, with another subject
-        bad = lines[line - 2].split(",")
+        bad = path.read_text().splitlines()[line - 2].split(",")
         bad[1] = "4242"
         bad = ",".join(bad)
-    lines[line - 1] = bad
-    path.write_text("\n".join(lines) + "\n")
+    replace_line(path, line, bad)
     out = tmp_path / "kept.json"
     out.write_text("{}\n")
     argv = ["--ijb", str(root), "--ijb-name", "ijbc", "--ijb-mode", "1n", "--checkpoint", "x.pt"]

@@ -142,14 +142,11 @@ def load_pairs(path: str | os.PathLike, ext: str = "jpg") -> Pairs:
         fold_idx, pos = divmod(k, 2 * per_fold)
         is_same = pos < per_fold
         where = f"{path}:{line_no}"
-        kind = "same" if is_same else "different"
-        number_in_kind = pos + 1 if is_same else pos - per_fold + 1
         if len(fields) != (3 if is_same else 4):
             raise ValueError(
-                f"{where}: expected {PAIR_FIELDS[kind]} for {kind}-identity pair "
-                f"{number_in_kind} of fold {fold_idx + 1}, got {len(fields)}: "
-                f"{' '.join(fields)!r} (the header on line {header_line} gives {per_fold} "
-                f"same then {per_fold} different pairs per fold)"
+                f"{where}: expected {_pair_position(pos, fold_idx, per_fold)}, got "
+                f"{len(fields)}: {' '.join(fields)!r} (the header on line {header_line} gives "
+                f"{per_fold} same then {per_fold} different pairs per fold)"
             )
         if is_same:  # name n1 n2: both images of one identity
             fields = [fields[0], fields[1], fields[0], fields[2]]
@@ -163,6 +160,39 @@ def load_pairs(path: str | os.PathLike, ext: str = "jpg") -> Pairs:
         fold.append(fold_idx)
         line_numbers.append(line_no)
 
+    _check_pair_count(body, path, header_line, header, num_folds, per_fold)
+    return Pairs(
+        left=left,
+        right=right,
+        issame=np.asarray(issame, dtype=bool),
+        fold=np.asarray(fold, dtype=np.int64),
+        num_folds=num_folds,
+        source=str(path),
+        line_numbers=np.asarray(line_numbers, dtype=np.int64),
+    )
+
+
+def _pair_position(pos: int, fold_idx: int, per_fold: int) -> str:
+    """What line ``pos`` of fold ``fold_idx`` must hold, for an error message."""
+    if pos < per_fold:
+        return f"{PAIR_FIELDS['same']} for same-identity pair {pos + 1} of fold {fold_idx + 1}"
+    return (
+        f"{PAIR_FIELDS['different']} for different-identity pair {pos - per_fold + 1} of "
+        f"fold {fold_idx + 1}"
+    )
+
+
+def _check_pair_count(
+    body: Sequence[tuple[int, list[str]]],
+    path: Path,
+    header_line: int,
+    header: list[str],
+    num_folds: int,
+    per_fold: int,
+) -> None:
+    """Raise a ValueError when ``body`` (the pair lines, numbered) holds fewer lines than
+    the header promises (naming the header) or more (naming the first extra line)."""
+    expected = num_folds * 2 * per_fold
     if len(body) < expected:
         raise ValueError(
             f"{path}:{header_line}: the header {' '.join(header)!r} promises {num_folds} "
@@ -175,16 +205,6 @@ def load_pairs(path: str | os.PathLike, ext: str = "jpg") -> Pairs:
             f"header {' '.join(header)!r} on line {header_line} promises "
             f"({len(body) - expected} extra in all)"
         )
-
-    return Pairs(
-        left=left,
-        right=right,
-        issame=np.asarray(issame, dtype=bool),
-        fold=np.asarray(fold, dtype=np.int64),
-        num_folds=num_folds,
-        source=str(path),
-        line_numbers=np.asarray(line_numbers, dtype=np.int64),
-    )
 
 
 def resolve_images(

@@ -137,20 +137,7 @@ def extract_embeddings(
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device(device or "cpu")
     dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
-
-    if isinstance(images, DataLoader):
-        loader = images
-    else:
-        if batch_size < 1:
-            raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
-        loader = DataLoader(
-            images,
-            batch_size=batch_size,
-            shuffle=False,
-            num_workers=num_workers,
-            pin_memory=device.type == "cuda",
-            worker_init_fn=exit_with_parent if num_workers > 0 else None,
-        )
+    loader = _loader(images, batch_size, num_workers, device)
 
     was_training = model.training
     model.eval()
@@ -161,32 +148,11 @@ def extract_embeddings(
     try:
         with torch.no_grad():
             for batch in loader:
-                if isinstance(batch, list | tuple):
-                    batch = batch[0]
-                if not isinstance(batch, torch.Tensor) or batch.ndim != 4:
-                    shape = tuple(batch.shape) if isinstance(batch, torch.Tensor) else None
-                    raise ValueError(
-                        "images: expected batches of (B, C, H, W) tensors, got "
-                        f"{type(batch).__name__} with shape {shape}"
-                    )
-                x = batch.to(device, dtype=dtype, non_blocking=True)  # (B, C, H, W)
-                num_images = x.shape[0]
-                if flip:
-                    # One forward over image and mirror: in eval mode BatchNorm uses its
-                    # running statistics, so the batch composition does not matter.
-                    x = torch.cat([x, torch.flip(x, dims=[3])])  # (2B, C, H, W)
-                out = model(x)
-                if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != len(x):
-                    raise ValueError(
-                        f"model: expected a ({len(x)}, D) embedding tensor, got "
-                        f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out)}"
-                    )
-                out = out.float()
-                norm_chunks.append(out[:num_images].norm(dim=1).cpu())
-                if flip:
-                    out = out[:num_images] + out[num_images:]  # (B, D)
+                x = _input_batch(batch).to(device, dtype=dtype, non_blocking=True)
+                out, norms = _embed(model, x, flip)
+                norm_chunks.append(norms.cpu())
                 chunks.append((F.normalize(out, dim=1) if normalize else out).cpu())
-                bar.update(num_images)
+                bar.update(len(out))
     finally:
         bar.close()
         model.train(was_training)
@@ -196,6 +162,58 @@ def extract_embeddings(
     if return_norms:
         return embeddings, torch.cat(norm_chunks).numpy().astype(np.float32, copy=False)
     return embeddings
+
+
+def _loader(
+    images: DataLoader | Dataset, batch_size: int, num_workers: int, device: torch.device
+) -> DataLoader:
+    """``images`` itself when it is a DataLoader, else an ordered DataLoader over it."""
+    if isinstance(images, DataLoader):
+        return images
+    if batch_size < 1:
+        raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+    return DataLoader(
+        images,
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+        worker_init_fn=exit_with_parent if num_workers > 0 else None,
+    )
+
+
+def _input_batch(batch: object) -> torch.Tensor:
+    """The (B, C, H, W) images of a loader's batch (the first element of a tuple)."""
+    if isinstance(batch, list | tuple):
+        batch = batch[0]
+    if not isinstance(batch, torch.Tensor) or batch.ndim != 4:
+        shape = tuple(batch.shape) if isinstance(batch, torch.Tensor) else None
+        raise ValueError(
+            "images: expected batches of (B, C, H, W) tensors, got "
+            f"{type(batch).__name__} with shape {shape}"
+        )
+    return batch
+
+
+def _embed(model: nn.Module, x: torch.Tensor, flip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw embeddings (B, D) float32, flip-summed with ``flip``; norms (B,) of the
+    unflipped images' outputs) of the batch ``x`` (B, C, H, W)."""
+    num_images = x.shape[0]
+    if flip:
+        # One forward over image and mirror: in eval mode BatchNorm uses its
+        # running statistics, so the batch composition does not matter.
+        x = torch.cat([x, torch.flip(x, dims=[3])])  # (2B, C, H, W)
+    out = model(x)
+    if not isinstance(out, torch.Tensor) or out.ndim != 2 or out.shape[0] != len(x):
+        raise ValueError(
+            f"model: expected a ({len(x)}, D) embedding tensor, got "
+            f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out)}"
+        )
+    out = out.float()
+    norms = out[:num_images].norm(dim=1)
+    if flip:
+        out = out[:num_images] + out[num_images:]  # (B, D)
+    return out, norms
 
 
 def save_embeddings(path: str | os.PathLike, embeddings: np.ndarray, paths: Sequence[str]) -> None:
@@ -212,13 +230,18 @@ def save_embeddings(path: str | os.PathLike, embeddings: np.ndarray, paths: Sequ
     paths_array = np.asarray([str(p) for p in paths], dtype=str)
     if paths_array.shape != (embeddings.shape[0],):
         raise ValueError(f"paths: {len(paths_array)} paths for {embeddings.shape[0]} embeddings")
-    path = Path(path)
+    write_npz(Path(path), embeddings=embeddings.astype(np.float32), paths=paths_array)
+
+
+def write_npz(path: Path, **arrays: np.ndarray) -> None:
+    """Write ``arrays`` to the ``.npz`` file ``path`` atomically (its folder created): a
+    temporary file in the same folder, then a rename, so a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         # Through a file object: given a name, np.savez would append ".npz" to the temp name.
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, embeddings=embeddings.astype(np.float32), paths=paths_array)
+            np.savez(f, **arrays)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -30,7 +30,7 @@ from recognition.evaluation.embeddings import (
     PathDataset,
     save_embeddings,
 )
-from recognition.evaluation.run import write_json
+from recognition.evaluation.report import print_report, text_table
 from recognition.evaluation.verification import to_json_dict
 
 log = logging.getLogger(__name__)
@@ -129,24 +129,13 @@ def format_reid_table(results: Mapping[str, Mapping], ranks: Sequence[int] = DEF
             + [f"{100 * r['mAP']:.2f}"]
             + [f"{100 * r[f'rank{k}']:.2f}" for k in ranks]
         )
-    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-    lines = []
-    for row in rows:
-        cells = [v.rjust(w) for v, w in zip(row[1:], widths[1:], strict=True)]
-        lines.append("  ".join([row[0].ljust(widths[0]), *cells]))
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(line.rstrip() for line in lines)
+    return text_table(rows)
 
 
 def report_reid(results: dict[str, dict], *, json_path: Path | None = None) -> str:
     """Print the re-id table; write JSON (flat for one target, else keyed by target)."""
-    table = format_reid_table(results)
-    print(table, flush=True)
-    if json_path is not None:
-        payload = next(iter(results.values())) if len(results) == 1 else results
-        write_json(json_path, to_json_dict(payload))
-        log.info("wrote %s", json_path)
-    return table
+    payload = next(iter(results.values())) if len(results) == 1 else results
+    return print_report(format_reid_table(results), to_json_dict(payload), json_path)
 
 
 def _unit(x: np.ndarray, name: str) -> np.ndarray:

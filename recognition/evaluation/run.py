@@ -3,7 +3,6 @@ export; what evaluate.py and the training's evaluation hook call (re-id is in `r
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,6 +25,8 @@ from recognition.evaluation.embeddings import (
     verify_pairs,
 )
 from recognition.evaluation.plots import plot_roc
+from recognition.evaluation.report import print_report
+from recognition.evaluation.report import write_json as write_json  # also imported from here
 from recognition.evaluation.verification import (
     evaluate_verification,
     format_table,
@@ -182,28 +183,15 @@ def report(
     flat_json: bool = False,
 ) -> str:
     """Print the table; write JSON (keyed by target, or flat for one target) and the ROC plot."""
-    table = format_table(results)
-    print(table, flush=True)
-    if json_path is not None:
-        if flat_json and len(results) == 1:
-            payload = to_json_dict(next(iter(results.values())))
-        else:
-            payload = {name: to_json_dict(r) for name, r in results.items()}
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(json_path, payload)
-        log.info("wrote %s", json_path)
+    if flat_json and len(results) == 1:
+        payload = to_json_dict(next(iter(results.values())))
+    else:
+        payload = {name: to_json_dict(r) for name, r in results.items()}
+    table = print_report(format_table(results), payload, json_path)
     if roc_path is not None:
         plot_roc(results, roc_path)
         log.info("wrote %s", roc_path)
     return table
-
-
-def write_json(path: Path, payload: object) -> None:
-    """Write ``payload`` as indented JSON, atomically (a temporary file, then a rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp.replace(path)
 
 
 def list_images(root: Path) -> list[str]:

@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from sklearn.metrics import roc_auc_score, roc_curve
 
+from recognition.evaluation.report import text_table
+
 DEFAULT_FAR_TARGETS = (1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6)
 
 
@@ -56,12 +58,22 @@ def kfold_accuracy(scores: np.ndarray, same: np.ndarray, folds: np.ndarray) -> f
     the midpoints between their sorted scores; the lowest such threshold on ties) is applied
     to the held-out fold. `same` is a bool array, `folds` the fold index of each pair.
     """
-    accuracies = []
+    _, accuracies = held_out_folds(scores, same, folds)
+    return float(np.mean(accuracies))
+
+
+def held_out_folds(
+    scores: np.ndarray, same: np.ndarray, folds: np.ndarray
+) -> tuple[list[float], list[float]]:
+    """Per fold, in sorted fold-id order: the threshold :func:`best_threshold` picks on the
+    OTHER folds, and its accuracy on this one. Returns (thresholds, accuracies)."""
+    thresholds, accuracies = [], []
     for fold in np.unique(folds):
         test = folds == fold
         threshold, _ = best_threshold(scores[~test], same[~test])
+        thresholds.append(threshold)
         accuracies.append(float(((scores[test] > threshold) == same[test]).mean()))
-    return float(np.mean(accuracies))
+    return thresholds, accuracies
 
 
 def best_threshold(scores: np.ndarray, issame: np.ndarray) -> tuple[float, float]:
@@ -170,51 +182,13 @@ def evaluate_verification(
     Raises ValueError for mismatched lengths, non-finite scores, a single class, or fewer
     than two folds.
     """
-    scores = np.asarray(scores, dtype=np.float64)
-    issame = np.asarray(issame)
-    if scores.ndim != 1:
-        raise ValueError(f"scores: expected a 1-D array, got shape {scores.shape}")
-    if issame.shape != scores.shape:
-        raise ValueError(f"issame: shape {issame.shape} does not match scores {scores.shape}")
-    if issame.dtype != bool:
-        if not np.isin(issame, (0, 1)).all():
-            raise ValueError("issame: expected booleans (or 0/1)")
-        issame = issame.astype(bool)
-    if not np.isfinite(scores).all():
-        raise ValueError(f"scores: {int((~np.isfinite(scores)).sum())} values are NaN or inf")
-    num_genuine = int(issame.sum())
-    num_impostor = len(issame) - num_genuine
-    if num_genuine == 0 or num_impostor == 0:
-        raise ValueError(
-            f"issame: need both genuine and impostor pairs, got {num_genuine} genuine and "
-            f"{num_impostor} impostor"
-        )
+    scores, issame = _checked_pairs(scores, issame)
     for far in far_targets:
         if not 0.0 < far < 1.0:
             raise ValueError(f"far_targets: each target must lie in (0, 1), got {far}")
-
-    if folds is None:
-        folds = contiguous_folds(len(scores), num_folds)
-    else:
-        folds = np.asarray(folds)
-        if folds.shape != scores.shape:
-            raise ValueError(f"folds: shape {folds.shape} does not match scores {scores.shape}")
-    fold_ids = np.unique(folds)
-    if len(fold_ids) < 2:
-        raise ValueError(
-            f"folds: need at least 2 folds for k-fold accuracy, got {len(fold_ids)} "
-            "(pass folds=None to split the pairs into num_folds folds)"
-        )
-
-    fold_thresholds = []
-    fold_accuracies = []
-    for fold_id in fold_ids:
-        test = folds == fold_id
-        threshold, _ = best_threshold(scores[~test], issame[~test])
-        predicted = scores[test] > threshold
-        fold_thresholds.append(threshold)
-        fold_accuracies.append(float(np.mean(predicted == issame[test])))
-
+    fold_thresholds, fold_accuracies = held_out_folds(
+        scores, issame, _fold_ids(folds, scores, num_folds)
+    )
     threshold, _ = best_threshold(scores, issame)
     fpr, tpr, _ = roc_curve(issame, scores)
     results = {
@@ -235,6 +209,52 @@ def evaluate_verification(
         results["tar_at_far"][far_key(far)] = tar
         results["far_thresholds"][far_key(far)] = far_threshold
     return results
+
+
+def _checked_pairs(
+    scores: np.ndarray | Sequence[float], issame: np.ndarray | Sequence[bool]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(scores (P,) float64, issame (P,) bool), or a ValueError for mismatched lengths,
+    non-finite scores or a single class."""
+    scores = np.asarray(scores, dtype=np.float64)
+    issame = np.asarray(issame)
+    if scores.ndim != 1:
+        raise ValueError(f"scores: expected a 1-D array, got shape {scores.shape}")
+    if issame.shape != scores.shape:
+        raise ValueError(f"issame: shape {issame.shape} does not match scores {scores.shape}")
+    if issame.dtype != bool:
+        if not np.isin(issame, (0, 1)).all():
+            raise ValueError("issame: expected booleans (or 0/1)")
+        issame = issame.astype(bool)
+    if not np.isfinite(scores).all():
+        raise ValueError(f"scores: {int((~np.isfinite(scores)).sum())} values are NaN or inf")
+    num_genuine = int(issame.sum())
+    num_impostor = len(issame) - num_genuine
+    if num_genuine == 0 or num_impostor == 0:
+        raise ValueError(
+            f"issame: need both genuine and impostor pairs, got {num_genuine} genuine and "
+            f"{num_impostor} impostor"
+        )
+    return scores, issame
+
+
+def _fold_ids(
+    folds: np.ndarray | Sequence[int] | None, scores: np.ndarray, num_folds: int
+) -> np.ndarray:
+    """A fold id per pair: ``folds`` checked, or ``num_folds`` contiguous folds without."""
+    if folds is None:
+        folds = contiguous_folds(len(scores), num_folds)
+    else:
+        folds = np.asarray(folds)
+        if folds.shape != scores.shape:
+            raise ValueError(f"folds: shape {folds.shape} does not match scores {scores.shape}")
+    num_fold_ids = len(np.unique(folds))
+    if num_fold_ids < 2:
+        raise ValueError(
+            f"folds: need at least 2 folds for k-fold accuracy, got {num_fold_ids} "
+            "(pass folds=None to split the pairs into num_folds folds)"
+        )
+    return folds
 
 
 def to_json_dict(results: Mapping) -> dict:
@@ -286,14 +306,4 @@ def format_table(results: Mapping[str, Mapping], far_keys: Sequence[str] | None 
             row.append(f"{r['xnorm']:.2f}" if r.get("xnorm") is not None else "-")
         row += ["-" if tars.get(k) is None else f"{100 * tars[k]:.2f}" for k in far_keys]
         rows.append(row)
-    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-
-    def render(row: list[str]) -> str:
-        # Names left-aligned, numbers right-aligned so their decimal points line up.
-        cells = [row[0].ljust(widths[0])] + [
-            v.rjust(w) for v, w in zip(row[1:], widths[1:], strict=True)
-        ]
-        return "  ".join(cells).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([render(rows[0]), rule] + [render(row) for row in rows[1:]])
+    return text_table(rows)
