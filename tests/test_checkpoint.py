@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from recognition import checkpoint as ckpt
+from recognition.checkpoint import files as ckpt_files
 from recognition.config import OptimConfig
 from recognition.heads import ShardedMarginSoftmax, build_margin
 from recognition.optim import build_optimizer, param_groups
@@ -302,7 +303,7 @@ def test_a_full_disk_while_exporting_names_the_file_and_keeps_the_old_one(tmp_pa
 
     path = tmp_path / "backbone.pt"
     ckpt.atomic_save({"a": torch.ones(3)}, path)
-    monkeypatch.setattr(ckpt, "open", to_dev_full(builtins.open), raising=False)
+    monkeypatch.setattr(ckpt_files, "open", to_dev_full(builtins.open), raising=False)
     with pytest.raises(OSError, match=rf"writing {path} failed: no space left on device"):
         ckpt.atomic_save({"a": torch.zeros(1000)}, path)
     monkeypatch.undo()

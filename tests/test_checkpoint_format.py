@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from recognition import checkpoint as ckpt
+from recognition.checkpoint import store
 from recognition.config import OptimConfig
 from recognition.heads import ShardedMarginSoftmax, build_margin
 from recognition.optim import build_optimizer, param_groups
@@ -60,7 +61,7 @@ def test_a_version_1_checkpoint_loads_into_todays_parts(tmp_path):
 
 
 def test_a_checkpoint_of_a_newer_format_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckpt, "FORMAT_VERSION", 99)
+    monkeypatch.setattr(store, "FORMAT_VERSION", 99)
     path = ckpt.save_checkpoint(tmp_path, 1, {"progress": {"step": 1}}, keep=1)
     monkeypatch.undo()
     assert ckpt.checkpoint_version(path) == 99

@@ -1,4 +1,4 @@
-"""Tests for recognition/precision.py: casts, masters, loss scaling, clipping, checkpoints."""
+"""Tests for recognition/precision/: casts, masters, loss scaling, clipping, checkpoints."""
 
 from __future__ import annotations
 

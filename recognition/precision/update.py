@@ -1,0 +1,128 @@
+"""The optimizer update, skipped on the device when a step is not finite, and what a step
+reports (`StepResult`).
+
+`Precision.step()` skips the update at every level when the gradient norm (or the loss, when
+the caller passes its finiteness) is not finite, so NaNs never reach the weights; with a
+scaler the scale also halves. The skip is decided on the device, without a host read: a fused
+optimizer (`torch.optim.SGD`/`AdamW` with `fused=True`, as `recognition.optim` builds them)
+is handed the flag as its `found_inf` and leaves every parameter and every state tensor
+(momentum, Adam's moments and step count) as it was; fused SGD gets zero momentum buffers
+before its first step, since on a skipped first step it would keep uninitialised ones. The
+caller sees the flag in `StepResult.stepped`, a device tensor. Another optimizer is stepped
+or not by a host read of the flag: one sync per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did, as 0-dim tensors on the step's device.
+
+    Nothing here has been read on the host: a training step launches no synchronisation,
+    and whoever needs a value (the log window, at its interval) reads it then. `Precision.step()`
+    fills the first three; the training step (`recognition.training.step`) adds the loss,
+    whether it was finite and the accuracy of its micro-batches.
+
+    stepped: bool; False when the loss or the gradients held inf/NaN and the update was
+        skipped (no weight and no optimizer state changed).
+    grad_norm: total L2 norm of the unscaled gradients before clipping (inf/NaN when they
+        held inf/NaN); float32 or float64.
+    scale: float32, the loss scale after this step's update (1.0 when no scaler is used).
+    loss: mean loss over the step's micro-batches (not divided by their number); None when
+        the caller knows no loss.
+    finite: bool; False when a micro-batch's loss was NaN or inf (the step was then skipped);
+        None when the caller knows no loss.
+    accuracy: share of the global batch whose target logit was the largest (mean over
+        micro-batches); None when the head reports none.
+    """
+
+    stepped: Tensor
+    grad_norm: Tensor
+    scale: Tensor
+    loss: Tensor | None = None
+    finite: Tensor | None = None
+    accuracy: Tensor | None = None
+
+
+class MaskedUpdate:
+    """Steps optimizers where a 0-dim bool flag says so, on the device where they allow it."""
+
+    def __init__(self) -> None:
+        # Fused optimizers ready to skip steps on the device (see _skips_on_device).
+        self._device_skipping: dict[int, bool] = {}
+
+    def apply(self, optimizer: torch.optim.Optimizer, ok: Tensor) -> None:
+        """`optimizer.step()` where `ok` (a 0-dim bool tensor) is True; where it is False no
+        parameter and no optimizer state changes."""
+        if self._skips_on_device(optimizer):
+            # Fused kernels take GradScaler's two attributes: with found_inf = 1 they return
+            # before touching anything, and fused Adam(W) takes its step count back. No
+            # grad_scale: the gradients are already unscaled.
+            optimizer.found_inf = (~ok).to(torch.float32)  # type: ignore[attr-defined]
+            optimizer.grad_scale = None  # type: ignore[attr-defined]
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
+        elif bool(ok):  # an optimizer that cannot skip on the device: one host read
+            optimizer.step()
+
+    def _skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `optimizer` can be handed a skip flag (a fused torch optimizer), making
+        the state that a skipped first step would otherwise leave undefined (once)."""
+        key = id(optimizer)
+        if key not in self._device_skipping:
+            ready = getattr(optimizer, "_step_supports_amp_scaling", False)
+            if ready and isinstance(optimizer, torch.optim.SGD):
+                ready = _zero_momentum_buffers(optimizer)
+            self._device_skipping[key] = ready
+        return self._device_skipping[key]
+
+
+@torch.no_grad()
+def _zero_momentum_buffers(optimizer: torch.optim.SGD) -> bool:
+    """Give every parameter of a fused SGD a zero momentum buffer where it has none yet.
+
+    Fused SGD makes its buffers on its first step with `torch.empty_like` and fills them in
+    the kernel, which `found_inf` skips: a skipped first step would leave uninitialised
+    memory as momentum. A zero buffer is what the first step's buffer amounts to (the next
+    step sets it to 0 * momentum + grad = grad, bit for bit) when dampening is 0; with
+    dampening it is not, and False says the optimizer must be stepped from the host.
+    (`recognition.optim.init_state` makes every optimizer's state this way for checkpoints,
+    by a step at lr 0 on zero gradients; this needs no gradient-sized tensors.)
+    """
+    groups = [g for g in optimizer.param_groups if g["momentum"] != 0]
+    if any(g["dampening"] != 0 for g in groups):
+        return False
+    for group in groups:
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(param)
+    return True
+
+
+_WIDE = (torch.float32, torch.float64)
+
+
+def total_grad_norm(params: list[Tensor], device: torch.device) -> Tensor:
+    """L2 norm over all `.grad`s, accumulated in at least fp32 so half grads cannot overflow
+    it: a 0-dim tensor (zero on `device` when no parameter has a gradient)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    if all(g.dtype == grads[0].dtype for g in grads) and grads[0].dtype in _WIDE:
+        return torch.nn.utils.get_total_norm(grads)
+    # fp64 stays fp64 (a float64 reference run); anything narrower is widened to fp32.
+    norms = [
+        torch.linalg.vector_norm(g, dtype=g.dtype if g.dtype in _WIDE else torch.float32)
+        for g in grads
+    ]
+    norms = [n.double() for n in norms]
+    return torch.linalg.vector_norm(torch.stack(norms))
