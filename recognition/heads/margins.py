@@ -267,7 +267,7 @@ class AdaFace(Margin):
     - A batch whose statistic is not finite (a NaN embedding) leaves that running value as
       it was, so one bad batch, skipped by the non-finite guard, does not poison every
       later margin; a batch of one row leaves the std as it was (no unbiased std exists).
-    - Statistics in float64 whatever the precision level (precision.py leaves the buffers
+    - Statistics in float64 whatever the precision level (precision/casting.py leaves the buffers
       named in `keep_dtype_buffers` alone), so the update of 1 % per step is not rounded.
     """
 
