@@ -125,6 +125,43 @@ def test_local_links_resolve(page: Path):
     assert not broken, f"{page_id(page)}: {broken}"
 
 
+REPO_PATH = re.compile(r"^(recognition|benchmarks|tests|configs|\.ci)/[^<>*]*$")
+MODULE = re.compile(r"^(recognition|benchmarks)(\.[A-Za-z_]\w*)+$")
+
+
+def naming_error(name: str) -> str | None:
+    """Why `name` (a repository path, or a dotted module or a module's name) names nothing
+    in the repository; None when it names something."""
+    if REPO_PATH.match(name):
+        return None if (ROOT / name).exists() else "no such file or folder"
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        for source in (Path(*parts[:end]).with_suffix(".py"), Path(*parts[:end], "__init__.py")):
+            if (ROOT / source).is_file():
+                rest = parts[end:]
+                if not rest:
+                    return None
+                defined = rf"^(def |class )?{rest[0]}\b|^from .* import .*\b{rest[0]}\b"
+                found = len(rest) == 1 and re.search(defined, (ROOT / source).read_text(), re.M)
+                return None if found else f"{source} defines no {'.'.join(rest)}"
+    return "no such module"
+
+
+@pytest.mark.parametrize("page", pages(), ids=page_id)
+def test_named_files_and_modules_exist(page: Path):
+    """Every repository path (`recognition/heads/tiles.py`) and dotted module name
+    (`recognition.optim.fused_is_sound`) the page names in code exists; what runs create
+    (`data/synthetic/`, `runs/`) and placeholders (`gpu-<device>.json`) are not checked."""
+    wrong = []
+    for span in INLINE_CODE.findall(prose(page.read_text())):
+        for word in span.split():
+            name = word.strip("(),;:")
+            if REPO_PATH.match(name) or MODULE.match(name):
+                if (error := naming_error(name)) is not None:
+                    wrong.append(f"{name}: {error}")
+    assert not wrong, f"{page_id(page)}: {wrong}"
+
+
 # ---------------------------------------------------------------------- the command lines
 
 
