@@ -1,5 +1,6 @@
-"""The README and docs/ cannot rot: the README fits on a screen and links every page, every
-local link resolves, and every `train.py` / `evaluate.py` command line they print parses.
+"""The README and docs/ cannot rot: the README fits on a screen, keeps the quick start CI
+runs and links every page; every local link, repository path and module named resolves; and
+every `train.py` / `evaluate.py` command line they print parses.
 
 A command line is one in a fenced code block, or an inline code span that starts a command
 (`python train.py ...`, `torchrun ... train.py ...`, `python evaluate.py ...`). For train.py
