@@ -1,9 +1,9 @@
 """Train a recognition model: `python train.py [--config NAME_OR_PATH] [key=value ...]`.
 
 Runs on one process as is, or on N with `torchrun --nproc_per_node N train.py ...` (and on
-several machines with torchrun's rendezvous options; see the README). With `--plan
---gpus N --gpu-memory GIB [--classes C]` it plans the run on this CPU instead (README,
-"Planning a run").
+several machines with torchrun's rendezvous options; docs/distributed.md). With `--plan
+--gpus N --gpu-memory GIB [--classes C]` it plans the run on this CPU instead
+(docs/planning.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 benchmarks/head_kernel_resources.py compiles the launches that the host wrappers of
 heads/kernels/ make (both backwards), with Triton's own compiler and the ptxas it
 ships, and reads what ptxas reports. Here: D = 512, fp32 weights, bf16 operands (the
-README's benchmark settings) at the default tiles. Every kernel must fit the H100's shared
+head benchmark's settings) at the default tiles. Every kernel must fit the H100's shared
 memory per block (232,448 bytes; more fails to launch with OutOfResources) and spill no
 registers. The interpreter tests (test_head_triton.py) cannot see either.
 

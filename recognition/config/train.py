@@ -37,13 +37,13 @@ class TrainConfig:
     max_nonfinite_steps: int = 5
     """Stop the run after this many non-finite losses in a row."""
     memory_check: bool = True
-    """On GPUs: before building the model, plan the run (README, "Planning a run") and
+    """On GPUs: before building the model, plan the run (docs/planning.md) and
     refuse it when the planned peak does not fit the GPU's memory; false skips the check."""
     progress: bool = True
     compile: bool = False
     """torch.compile the backbone (the head stays eager: its collectives and custom autograd
-    functions gain nothing). The first step compiles (logged once); see the README for when
-    it pays off."""
+    functions gain nothing). The first step compiles (logged once); docs/training.md says
+    when it pays off."""
     compile_mode: Literal[
         "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
     ] = "default"

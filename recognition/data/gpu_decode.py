@@ -22,7 +22,7 @@ training loop's `.to(device, memory_format=...)` then has nothing left to do.
 The flip is drawn from the sample's seed by `draw_flip`, as `AugmentedView` draws it, so a
 sample is flipped the same way with either decoder, and a resumed run sees the same data.
 On the CPU, torchvision's decode_jpeg and PIL are the same libjpeg-turbo and give the same
-pixels; nvJPEG differs from it by a few levels (see the README, Data).
+pixels; nvJPEG differs from it by a few levels (docs/data.md).
 
 **Bad images** follow `on_bad_image` as on the CPU path. A file the worker routes to PIL is
 checked there. A JPEG that passed `gpu_decodable` but that the device decoder refuses is
