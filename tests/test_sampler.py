@@ -75,3 +75,49 @@ def test_epoch_batches_are_the_epochs_batches_in_a_row():
     assert list(itertools.islice(iter(batches), 6)) == expected
     batches.start_at(1, 1)
     assert list(itertools.islice(iter(batches), 3)) == expected[3:6]
+
+
+class Ramps(Dataset):
+    """Image i is a 1x1x4 ramp offset by 10 i: a flip reverses it, the index is readable."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, i):
+        return torch.arange(4.0).view(1, 1, 4) + 10 * i, i
+
+
+def flips_by_index(seed: int, epochs: int, count: int = 400) -> list[dict[int, bool]]:
+    """Per epoch, index -> whether the training batches flipped that image: the run's own
+    chain (ResumableSampler, EpochBatches across epoch boundaries, AugmentedView), read
+    sample by sample from the images, not from the order they came in."""
+    from recognition.data.sampler import EpochBatches
+
+    view = AugmentedView(Ramps(count), flip=True)
+    batches = EpochBatches(ResumableSampler(count, seed=seed), batch_size=8, batches_per_epoch=50)
+    flips: list[dict[int, bool]] = [{} for _ in range(epochs)]
+    for step, batch in enumerate(itertools.islice(iter(batches), 50 * epochs)):
+        for key in batch:
+            image, index = view[key]
+            flips[step // 50][index] = bool(image[0, 0, 0] > image[0, 0, -1])
+    return flips
+
+
+def test_augmentation_changes_with_the_epoch_and_repeats_for_the_same_seed_epoch_index():
+    """The README's promise: a sample's augmentation is drawn from (seed, epoch, index). So an
+    image's flip differs between epochs for about half the images, is the same in a second
+    run with the seed (any order of loading), and differs under another seed. Checked index
+    by index: with the epoch left out of the sample's seed every image would be flipped
+    alike in every epoch (the first check fails), with the index left out every image of an
+    epoch alike."""
+    first, second = flips_by_index(seed=3, epochs=2)
+    assert set(first) == set(second) == set(range(400))  # every image once per epoch
+    changed = sum(first[i] != second[i] for i in range(400)) / 400
+    assert 0.35 < changed < 0.65, changed
+    assert 0.35 < sum(first.values()) / 400 < 0.65  # within an epoch: per image
+    assert flips_by_index(seed=3, epochs=2) == [first, second]  # the same run again
+    [other_seed] = flips_by_index(seed=4, epochs=1)
+    assert 0.35 < sum(first[i] != other_seed[i] for i in range(400)) / 400 < 0.65
