@@ -223,7 +223,32 @@ def test_nonfinite_stop_names_the_intact_checkpoint_and_suggests_clipping(
     assert "optim.grad_clip" in str(caught.value)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "delete", "metadata"])
+def damage_item(data_file: Path, which: str) -> None:
+    """Overwrite the first bytes ("start") or the last ones ("end") of the middle item of a
+    checkpoint's data file, keeping the file's size."""
+    from recognition.checkpoint.planners import SafeReader
+
+    metadata = SafeReader(data_file.parent).read_metadata()
+    extents = sorted(
+        (info.offset, info.length)
+        for info in metadata.storage_data.values()
+        if info.relative_path == data_file.name
+    )
+    offset, length = extents[len(extents) // 2]
+    data = bytearray(data_file.read_bytes())
+    at = offset if which == "start" else offset + length - 30
+    data[at : at + 30] = bytes(30)
+    data_file.write_bytes(bytes(data))
+
+
+# Damage anywhere in the file: its first item (cut to 100 bytes), only its last item (one
+# byte cut), a middle item's start or end (overwritten, the size unchanged), the file
+# gone, the index unreadable. A check of the first item alone passes the second and third.
+DAMAGES = ["truncate", "cut_last_item", "middle_item_start", "middle_item_end", "delete",
+           "metadata"]  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_resume_auto_skips_a_damaged_newest_checkpoint(image_folder, tmp_path, damage):
     common = ("train.checkpoint_every=2", "train.keep_checkpoints=3")
     run_dir = tmp_path / "run"
@@ -233,6 +258,10 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint(image_folder, tmp_path, d
     data_file = next(newest.glob("*.distcp"))
     if damage == "truncate":
         data_file.write_bytes(data_file.read_bytes()[:100])
+    elif damage == "cut_last_item":
+        data_file.write_bytes(data_file.read_bytes()[:-1])
+    elif damage.startswith("middle_item"):
+        damage_item(data_file, damage.rpartition("_")[2])
     elif damage == "delete":
         data_file.unlink()
     else:
@@ -250,7 +279,15 @@ def test_an_explicitly_named_damaged_checkpoint_is_refused(image_folder, tmp_pat
     run_dir = tmp_path / "run"
     train(tiny_config(image_folder, run_dir, "train.max_steps=2"))
     latest = ckpt.latest_checkpoint(run_dir)
-    next(latest.glob("*.distcp")).unlink()
+    data_file = next(latest.glob("*.distcp"))
+    whole = data_file.read_bytes()
+    damage_item(data_file, "start")  # a middle item: by name, before any tensor is read
+    with pytest.raises(TrainingError, match=r"is damaged: its data file .* is damaged in item"):
+        train(tiny_config(image_folder, tmp_path / "other", f"train.resume={latest}"))
+    data_file.write_bytes(whole[:-1])  # only the last item
+    with pytest.raises(TrainingError, match=r"is damaged: its data file .* is truncated"):
+        train(tiny_config(image_folder, tmp_path / "other", f"train.resume={latest}"))
+    data_file.unlink()
     with pytest.raises(TrainingError, match=r"is damaged: its data file .* is missing"):
         train(tiny_config(image_folder, tmp_path / "other", f"train.resume={latest}"))
 

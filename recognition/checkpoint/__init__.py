@@ -41,8 +41,8 @@ from recognition.checkpoint.store import (
     read_checkpoint,
     read_part,
     save_checkpoint,
-    verify_checkpoint,
 )
+from recognition.checkpoint.verify import verify_checkpoint
 from recognition.sharded import rows_of
 
 __all__ = [

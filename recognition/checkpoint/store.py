@@ -176,31 +176,6 @@ def checkpoint_version(path: Path, entries: Mapping[str, Any] | None = None) -> 
     return value["version"]
 
 
-def verify_checkpoint(path: Path) -> str | None:
-    """What makes the checkpoint at `path` unreadable, or None when its files look whole.
-
-    Checks that `.metadata` reads and that every data file it names exists and holds the
-    bytes it points to (a lost or truncated file); it reads no tensor data.
-    """
-    try:
-        metadata = SafeReader(path).read_metadata()
-    except Exception as exc:  # noqa: BLE001  (any damage: truncated pickle, foreign file)
-        return f"its {METADATA_FILE} cannot be read ({exc})"
-    sizes: dict[str, int | None] = {}
-    for info in (metadata.storage_data or {}).values():
-        name = info.relative_path
-        if name not in sizes:
-            file = path / name
-            sizes[name] = file.stat().st_size if file.is_file() else None
-        size = sizes[name]
-        if size is None:
-            return f"its data file {name} is missing"
-        needed = info.offset + info.length
-        if size < needed:
-            return f"its data file {name} is truncated ({size} bytes, needs {needed})"
-    return None
-
-
 # ---------------------------------------------------------------------- load
 
 
