@@ -60,7 +60,7 @@ def build_step(case: Case, rank: int, device: torch.device) -> tuple[Step, int]:
     }
     if case.method not in builders:
         raise ValueError(f"unknown method {case.method!r}")
-    return builders[case.method](case, rank, device, *_local_batch(case, rank, device))
+    return builders[case.method](case, rank, _LocalBatch.draw(case, rank, device))
 
 
 def use_backward(name: str) -> None:
@@ -76,18 +76,26 @@ def use_backward(name: str) -> None:
 # ---------------------------------------------------------------- what the methods share
 
 
-def _local_batch(case: Case, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's rows of the global batch (the same on every rank count): embeddings
-    (N/W, D) that take a gradient, and labels (N/W,)."""
-    import torch
+@dataclass
+class _LocalBatch:
+    """This rank's rows of the global batch (the same batch whatever the rank count):
+    embeddings (N/W, D) that take a gradient, and labels (N/W,), on `device`."""
 
-    local_batch = case.batch_size // case.world_size
-    generator = torch.Generator().manual_seed(1234)
-    global_embeddings = torch.randn(case.batch_size, case.embedding_size, generator=generator)
-    global_labels = torch.randint(0, case.num_classes, (case.batch_size,), generator=generator)
-    rows = slice(rank * local_batch, (rank + 1) * local_batch)
-    local_embeddings = global_embeddings[rows].to(device).requires_grad_(True)
-    return local_embeddings, global_labels[rows].to(device)
+    device: torch.device
+    embeddings: torch.Tensor
+    labels: torch.Tensor
+
+    @classmethod
+    def draw(cls, case: Case, rank: int, device: torch.device) -> _LocalBatch:
+        import torch
+
+        local_batch = case.batch_size // case.world_size
+        generator = torch.Generator().manual_seed(1234)
+        global_embeddings = torch.randn(case.batch_size, case.embedding_size, generator=generator)
+        global_labels = torch.randint(0, case.num_classes, (case.batch_size,), generator=generator)
+        rows = slice(rank * local_batch, (rank + 1) * local_batch)
+        local_embeddings = global_embeddings[rows].to(device).requires_grad_(True)
+        return cls(device, local_embeddings, global_labels[rows].to(device))
 
 
 def _margin() -> ArcFace:
@@ -127,13 +135,7 @@ def _training_step(
 # ---------------------------------------------------------------- the methods
 
 
-def _sharded(
-    case: Case,
-    rank: int,
-    device: torch.device,
-    local_embeddings: torch.Tensor,
-    local_labels: torch.Tensor,
-) -> tuple[Step, int]:
+def _sharded(case: Case, rank: int, local: _LocalBatch) -> tuple[Step, int]:
     """ShardedMarginSoftmax on this rank: the whole shard at once (`sharded`) or
     --chunk-size classes at a time (`sharded-chunked`)."""
     from recognition.heads import ShardedMarginSoftmax
@@ -144,55 +146,43 @@ def _sharded(
     # would take about a minute per case (and the largest-class search, every try).
     head = ShardedMarginSoftmax(
         case.num_classes, case.embedding_size, _margin(), chunk_size=chunk, kernel=case.kernel,
-        device=device,
+        device=local.device,
     )  # fmt: skip
     optimizer = _sgd(head.parameters())
     if case.fused_update:  # the backward steps the rows; optimizer.step() skips them
         head.attach_fused_update(optimizer)
 
     def forward_backward() -> None:
-        with _autocast(case, device):
-            loss = head(local_embeddings, local_labels)
+        with _autocast(case, local.device):
+            loss = head(local.embeddings, local.labels)
         loss.backward()
 
-    return _training_step(optimizer, local_embeddings, forward_backward), head.num_local
+    return _training_step(optimizer, local.embeddings, forward_backward), head.num_local
 
 
-def _naive(
-    case: Case,
-    rank: int,
-    device: torch.device,
-    local_embeddings: torch.Tensor,
-    local_labels: torch.Tensor,
-) -> tuple[Step, int]:
+def _naive(case: Case, rank: int, local: _LocalBatch) -> tuple[Step, int]:
     """One process holds the full (C, D) matrix: F.linear, the margin, F.cross_entropy."""
     import torch
     import torch.nn.functional as F
 
     margin = _margin()
     weight = torch.nn.Parameter(
-        torch.randn(case.num_classes, case.embedding_size, device=device) * 0.01
+        torch.randn(case.num_classes, case.embedding_size, device=local.device) * 0.01
     )
     optimizer = _sgd([weight])
 
     def forward_backward() -> None:
-        with _autocast(case, device):
-            cos = F.linear(F.normalize(local_embeddings), F.normalize(weight)).float()
-            target = margin(cos.gather(1, local_labels[:, None]))
-            logits = cos.scatter(1, local_labels[:, None], target) * margin.scale
-            loss = F.cross_entropy(logits, local_labels)
+        with _autocast(case, local.device):
+            cos = F.linear(F.normalize(local.embeddings), F.normalize(weight)).float()
+            target = margin(cos.gather(1, local.labels[:, None]))
+            logits = cos.scatter(1, local.labels[:, None], target) * margin.scale
+            loss = F.cross_entropy(logits, local.labels)
         loss.backward()
 
-    return _training_step(optimizer, local_embeddings, forward_backward), case.num_classes
+    return _training_step(optimizer, local.embeddings, forward_backward), case.num_classes
 
 
-def _gather_to_one(
-    case: Case,
-    rank: int,
-    device: torch.device,
-    local_embeddings: torch.Tensor,
-    local_labels: torch.Tensor,
-) -> tuple[Step, int]:
+def _gather_to_one(case: Case, rank: int, local: _LocalBatch) -> tuple[Step, int]:
     """Each rank its (N, C/W) logit slice; rank 0 gathers the slices, takes
     F.cross_entropy over the full (N, C) logits and scatters the logit gradients back."""
     import torch
@@ -205,13 +195,15 @@ def _gather_to_one(
         raise ValueError("gather-to-one: --classes must be divisible by --world-size")
     margin = _margin()
     start, num_local = shard_range(case.num_classes, case.world_size, rank)
-    weight = torch.nn.Parameter(torch.randn(num_local, case.embedding_size, device=device) * 0.01)
+    weight = torch.nn.Parameter(
+        torch.randn(num_local, case.embedding_size, device=local.device) * 0.01
+    )
     optimizer = _sgd([weight])
 
     def forward_backward() -> None:
-        embeddings = distributed.all_gather_autograd(local_embeddings)  # (N, D)
-        labels = distributed.all_gather_tensor(local_labels)  # (N,)
-        with _autocast(case, device):
+        embeddings = distributed.all_gather_autograd(local.embeddings)  # (N, D)
+        labels = distributed.all_gather_tensor(local.labels)  # (N,)
+        with _autocast(case, local.device):
             cos = F.linear(F.normalize(embeddings), F.normalize(weight)).float()  # (N, C/W)
             local_target = labels - start
             owned = (local_target >= 0) & (local_target < num_local)
@@ -221,7 +213,7 @@ def _gather_to_one(
         slice_ = logits.detach().contiguous()
         logits.backward(_logit_grads(slice_, labels, rank, case.world_size))
 
-    return _training_step(optimizer, local_embeddings, forward_backward), num_local
+    return _training_step(optimizer, local.embeddings, forward_backward), num_local
 
 
 def _logit_grads(
