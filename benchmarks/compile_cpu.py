@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.table import print_table
-from benchmarks.train_scaling import run_one
+from benchmarks.train_scaling import add_run_options, run_one
 
 MODES = ("eager", "compiled, cold cache", "compiled, warm cache")
 
@@ -63,11 +63,8 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--log-every", type=int, default=10)
+    add_run_options(parser, steps=100, log_every=10)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--json", type=Path, help="also write the measurements here")
-    parser.add_argument("overrides", nargs="*", help="config overrides (after --)")
     args = parser.parse_args(argv)
     runs = []
     with tempfile.TemporaryDirectory(prefix="compile_cpu_") as scratch:

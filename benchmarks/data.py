@@ -42,9 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import REPO_ROOT
 from benchmarks.memory import proc_status_kib
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def make_tree(root: Path, classes: int, per_class: int) -> None:
@@ -120,7 +119,7 @@ def run_index(tree: Path, cache_dir: Path) -> list[dict]:
                 str(tree),
                 str(cache_dir),
             ],
-            cwd=REPO,
+            cwd=REPO_ROOT,
             check=True,
             capture_output=True,
             text=True,

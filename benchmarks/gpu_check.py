@@ -50,7 +50,6 @@ import datetime
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -59,9 +58,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import REPO_ROOT, log_tail, run_command
 from benchmarks.table import write_json, write_text
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 
 BUDGET_S = 540.0
@@ -126,32 +125,6 @@ def slug(name: str) -> str:
 
 
 # ---------------------------------------------------------------- running a section
-
-
-def run_command(
-    command: list[str], log_path: Path, timeout_s: float, env: dict[str, str] | None = None
-) -> tuple[int | None, bool]:
-    """Run `command` from the repository root in a process group of its own, its output into
-    `log_path`; kill the whole group after `timeout_s`. Returns (exit code or None, timed out)."""
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-        try:
-            return process.wait(timeout=max(timeout_s, 0.1)), False
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # the section and whatever it started
-            process.wait()
-            return None, True
-
-
-def log_tail(log_path: Path, lines: int = 25) -> list[str]:
-    try:
-        text = log_path.read_text(errors="replace")
-    except OSError:
-        return []
-    return [line for line in text.splitlines() if line.strip()][-lines:]
 
 
 def run_section(

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_check import REPO_ROOT, log_tail, run_command
+from benchmarks.common import REPO_ROOT, log_tail, run_command
 
 MARGIN_S = 3.0  # the runner kills the section at its limit: stop planning a bit before
 GIB = 2**30

@@ -18,7 +18,9 @@ step of the head - forward, backward, SGD step (momentum 0.9) - is timed for:
     sharded / sharded-chunked at W = 1: the module on one process (same resources as naive)
 
 Every case runs in fresh processes (one per rank), so no allocation of one case lingers in
-the next. Per rank it reports:
+the next (this module launches them and reads their results; the methods' steps are in
+benchmarks/head_methods.py, a rank's measurements in benchmarks/head_worker.py). Per rank
+it reports:
 
 - time per step: median over --steps steps; for W ranks the slowest rank's median (a step
   ends when every rank is done);
@@ -59,357 +61,17 @@ cases use two cores where naive uses one - the W = 1 rows compare like with like
 from __future__ import annotations
 
 import argparse
-import datetime
-import gc
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.memory import proc_status_kib, reset_peak_rss, set_mmap_threshold
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-# (method, whether it runs on --world-size ranks or on one process)
-METHODS = {
-    "naive": False,
-    "gather-to-one": True,
-    "sharded": True,
-    "sharded-chunked": True,
-}
-
-
-@dataclass
-class Case:
-    method: str
-    world_size: int
-    num_classes: int
-    batch_size: int  # global batch N
-    embedding_size: int
-    chunk_size: int | None
-    steps: int
-    warmup: int
-    threads: int
-    device: str
-    autocast: str | None
-    kernel: str = "torch"
-    fused_update: bool = False
-    backward: str = "gemm"  # the Triton head's backward (heads/kernels/tiles.py)
-
-
-# ---------------------------------------------------------------- measurement helpers
-
-
-class CommCounter:
-    """Counts the bytes this rank sends through torch.distributed (ring-algorithm model)."""
-
-    def __init__(self, world_size: int, rank: int) -> None:
-        import torch.distributed as dist
-
-        from recognition.distributed import ALL_GATHER_NAME, REDUCE_SCATTER_NAME
-
-        self.world_size, self.rank, self.bytes_sent, self.calls = world_size, rank, 0.0, 0
-        w = world_size
-
-        def nbytes(tensor) -> int:
-            return tensor.numel() * tensor.element_size()
-
-        def wrap(name, sent):
-            original = getattr(dist, name)
-
-            def counted(*args, **kwargs):
-                self.bytes_sent += sent(*args, **kwargs)
-                self.calls += 1
-                return original(*args, **kwargs)
-
-            setattr(dist, name, counted)
-
-        wrap(ALL_GATHER_NAME, lambda out, inp, *a, **k: (w - 1) * nbytes(inp))
-        wrap(REDUCE_SCATTER_NAME, lambda out, inp, *a, **k: (w - 1) / w * nbytes(inp))
-        wrap("all_reduce", lambda t, *a, **k: 2 * (w - 1) / w * nbytes(t))
-
-        def gather_sent(tensor, gather_list=None, dst=0, *a, **k):
-            return 0 if rank == dst else nbytes(tensor)
-
-        def scatter_sent(tensor, scatter_list=None, src=0, *a, **k):
-            if rank != src:
-                return 0
-            return sum(nbytes(t) for i, t in enumerate(scatter_list) if i != src)
-
-        wrap("gather", gather_sent)
-        wrap("scatter", scatter_sent)
-
-    def reset(self) -> None:
-        self.bytes_sent, self.calls = 0.0, 0
-
-
-# ---------------------------------------------------------------- the methods
-
-
-def use_backward(name: str) -> None:
-    """The Triton head's backward in this process ("gemm", the default, or "fused"): the
-    kernels' default tiles with that backward (a case runs in a process of its own)."""
-    from recognition.heads.kernels import margin_softmax_triton as kernels
-
-    table = getattr(use_backward, "table", kernels.default_tiles)
-    use_backward.table = table  # type: ignore[attr-defined]
-    kernels.default_tiles = lambda *args: replace(table(*args), backward=name)
-
-
-def _build(case: Case, rank: int, device):
-    """Returns step(), a function running one training step, and the rank's class count."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from recognition import distributed
-    from recognition.heads import ShardedMarginSoftmax, shard_range
-    from recognition.heads.margins import ArcFace
-
-    margin = ArcFace(s=64.0, m=0.5)
-    w = case.world_size
-    local_batch = case.batch_size // w
-    generator = torch.Generator().manual_seed(1234)
-    global_embeddings = torch.randn(case.batch_size, case.embedding_size, generator=generator)
-    global_labels = torch.randint(0, case.num_classes, (case.batch_size,), generator=generator)
-    rows = slice(rank * local_batch, (rank + 1) * local_batch)
-    local_embeddings = global_embeddings[rows].to(device).requires_grad_(True)
-    local_labels = global_labels[rows].to(device)
-
-    def autocast():
-        if case.autocast is None:
-            return torch.autocast(device.type, enabled=False)
-        return torch.autocast(device.type, dtype=getattr(torch, case.autocast))
-
-    if case.method.startswith("sharded"):
-        use_backward(case.backward)
-        chunk = case.chunk_size if case.method == "sharded-chunked" else None
-        # Made and drawn on the device: 10M classes drawn on one CPU thread and copied over
-        # would take about a minute per case (and the largest-class search, every try).
-        head = ShardedMarginSoftmax(
-            case.num_classes, case.embedding_size, margin, chunk_size=chunk, kernel=case.kernel,
-            device=device,
-        )  # fmt: skip
-        optimizer = torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
-        if case.fused_update:  # the backward steps the rows; optimizer.step() skips them
-            head.attach_fused_update(optimizer)
-
-        def step():
-            optimizer.zero_grad(set_to_none=True)
-            local_embeddings.grad = None
-            with autocast():
-                loss = head(local_embeddings, local_labels)
-            loss.backward()
-            optimizer.step()
-
-        return step, head.num_local
-
-    if case.method == "naive":
-        weight = torch.nn.Parameter(
-            torch.randn(case.num_classes, case.embedding_size, device=device) * 0.01
-        )
-        optimizer = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
-
-        def step():
-            optimizer.zero_grad(set_to_none=True)
-            local_embeddings.grad = None
-            with autocast():
-                cos = F.linear(F.normalize(local_embeddings), F.normalize(weight)).float()
-                target = margin(cos.gather(1, local_labels[:, None]))
-                logits = cos.scatter(1, local_labels[:, None], target) * margin.scale
-                loss = F.cross_entropy(logits, local_labels)
-            loss.backward()
-            optimizer.step()
-
-        return step, case.num_classes
-
-    if case.method == "gather-to-one":
-        if case.num_classes % w:
-            raise ValueError("gather-to-one: --classes must be divisible by --world-size")
-        start, num_local = shard_range(case.num_classes, w, rank)
-        weight = torch.nn.Parameter(
-            torch.randn(num_local, case.embedding_size, device=device) * 0.01
-        )
-        optimizer = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
-
-        def step():
-            optimizer.zero_grad(set_to_none=True)
-            local_embeddings.grad = None
-            embeddings = distributed.all_gather_autograd(local_embeddings)  # (N, D)
-            labels = distributed.all_gather_tensor(local_labels)  # (N,)
-            with autocast():
-                cos = F.linear(F.normalize(embeddings), F.normalize(weight)).float()  # (N, C/W)
-                local_target = labels - start
-                owned = (local_target >= 0) & (local_target < num_local)
-                index = torch.where(owned, local_target, 0)[:, None]
-                target = torch.where(
-                    owned[:, None], margin(cos.gather(1, index)), cos.gather(1, index)
-                )
-                logits = cos.scatter(1, index, target) * margin.scale  # (N, C/W)
-            slice_ = logits.detach().contiguous()
-            grad_slice = torch.empty_like(slice_)
-            if rank == 0:
-                slices = [torch.empty_like(slice_) for _ in range(w)]
-                dist.gather(slice_, slices, dst=0)
-                full = torch.cat(slices, dim=1).requires_grad_(True)  # (N, C) on rank 0
-                F.cross_entropy(full, labels).backward()
-                grads = [g.contiguous() for g in full.grad.split(num_local, dim=1)]
-                del full, slices
-                dist.scatter(grad_slice, grads, src=0)
-                del grads
-            else:
-                dist.gather(slice_, dst=0)
-                dist.scatter(grad_slice, src=0)
-            logits.backward(grad_slice)
-            optimizer.step()
-
-        return step, num_local
-
-    raise ValueError(f"unknown method {case.method!r}")
-
-
-def run_rank(case: Case, rank: int, rendezvous: str) -> dict:
-    """One rank of one case, in a fresh process: returns its measurements."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(case.threads)
-    device = torch.device(case.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-    counter = None
-    if case.world_size > 1:
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            init_method=f"file://{rendezvous}",
-            rank=rank,
-            world_size=case.world_size,
-            timeout=datetime.timedelta(seconds=1800),
-        )
-        counter = CommCounter(case.world_size, rank)
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if case.world_size > 1:
-            dist.barrier()
-
-    # Memory is measured with every CPU allocation above 64 KiB served by mmap, so that a
-    # freed tensor leaves the RSS at once; time is measured afterwards with a 32 MiB threshold
-    # (glibc's default once warmed up), where allocations are recycled as usual.
-    precise_rss = device.type == "cpu" and set_mmap_threshold(64 * 1024)
-    # A step of the same method on a tiny problem first: the kernels' code pages and the
-    # runtime's first-use buffers (a couple of hundred MiB of RSS on CPU) then belong to the
-    # baseline, not to the case.
-    tiny = Case(**{**asdict(case), "num_classes": 64 * case.world_size})
-    tiny_step, _ = _build(tiny, rank, device)
-    tiny_step()
-    del tiny_step
-    sync()
-    if device.type == "cuda":
-        base = torch.cuda.memory_allocated(device)
-    else:
-        base = proc_status_kib("VmRSS") * 1024
-    step, num_rows = _build(case, rank, device)
-    for _ in range(case.warmup):
-        step()
-    sync()
-
-    # ---- memory and communication: one step
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        peak_method = "torch.cuda.max_memory_allocated"
-    elif reset_peak_rss():
-        peak_method = "VmHWM after clear_refs" + (", mmap threshold 64 KiB" if precise_rss else "")
-    else:
-        peak_method = "ru_maxrss (whole process)"
-    if counter is not None:
-        counter.reset()
-    step()
-    sync()
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) - base
-    elif peak_method.startswith("VmHWM"):
-        peak = proc_status_kib("VmHWM") * 1024 - base
-    else:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    bytes_sent = counter.bytes_sent if counter else 0.0
-    calls = counter.calls if counter else 0
-
-    # ---- time: median of --steps steps
-    if precise_rss:
-        set_mmap_threshold(32 * 1024 * 1024)
-        step()  # let the allocator settle into the new threshold
-    times = []
-    for _ in range(case.steps):
-        sync()
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-
-    # ---- the plain matmul of the head's size, once the head's memory is free
-    del step
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    sync()
-    matmul_tflops = plain_matmul_tflops(
-        device, case.autocast, case.batch_size, case.embedding_size, num_rows
-    )
-    result = {
-        "rank": rank,
-        "step_s": statistics.median(times),
-        "peak_bytes": peak,
-        "floor_bytes": 3 * num_rows * case.embedding_size * 4,
-        "num_rows": num_rows,
-        "bytes_sent_per_step": bytes_sent,
-        "collectives_per_step": calls,
-        "peak_method": peak_method,
-        "matmul_tflops": matmul_tflops,
-    }
-    sync()
-    if case.world_size > 1:
-        dist.destroy_process_group()
-    return result
-
-
-def plain_matmul_tflops(device, dtype_name: str | None, rows: int, dim: int, cols: int) -> float:
-    """Achieved TFLOP/s of (rows, dim) @ (dim, cols) in `dtype_name` (float32 if None): the
-    head's logits matmul without the head. Columns beyond an output block of 1 GiB (256 MiB
-    on CPU) are not allocated: one block of columns is timed and its rate returned."""
-    import torch
-
-    dtype = getattr(torch, dtype_name) if dtype_name else torch.float32
-    element = torch.empty((), dtype=dtype).element_size()
-    budget = (1 << 30) if device.type == "cuda" else (1 << 28)
-    cols = max(1, min(cols, budget // (rows * element)))
-    a = torch.randn(rows, dim, device=device, dtype=dtype)
-    b = torch.randn(cols, dim, device=device, dtype=dtype).t()  # as F.linear reads the rows
-    out = a @ b
-    best = math.inf
-    for _ in range(3):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        torch.matmul(a, b, out=out)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * rows * dim * cols / best / 1e12
-
-
-# ---------------------------------------------------------------- the driver
+from benchmarks.common import REPO_ROOT
+from benchmarks.head_methods import METHODS, Case
 
 
 def run_case(case: Case, timeout_s: float) -> dict:
@@ -585,6 +247,41 @@ def print_table(results: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        from benchmarks.head_worker import run_rank  # torch: in the ranks' processes only
+
+        case = Case(**json.loads(args.worker))
+        print(json.dumps(run_rank(case, args.rank, args.rendezvous)), flush=True)
+        return 0
+    if args.fused_update and args.kernel != "triton":
+        parser.error("--fused-update needs --kernel triton")
+    if args.batch_size % args.world_size:
+        parser.error(
+            f"--batch-size {args.batch_size} must be divisible by --world-size {args.world_size}"
+        )
+    cases = _cases(args)
+    results = [_measure(case, args.timeout) for case in cases]
+    print(
+        f"head benchmark: global batch {args.batch_size}, embedding {args.embedding_size}, "
+        f"chunk {args.chunk_size}, {args.threads} thread(s) per process, device {args.device}, "
+        f"{args.steps} timed steps after {args.warmup} warm-up\n"
+    )
+    print_table(results)
+    sharded = [c for c in cases if c.method.startswith("sharded")]
+    search = _search(sharded, args.timeout) if args.max_classes_search and sharded else None
+    if args.json is not None:
+        payload = {
+            "settings": vars(args) | {"json": str(args.json)},
+            "results": results,
+            "max_classes_search": search,
+        }
+        args.json.write_text(json.dumps(payload, indent=2, default=str))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--classes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
     parser.add_argument("--batch-size", type=int, default=128, help="global batch N")
@@ -616,19 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
 
-    if args.worker is not None:
-        case = Case(**json.loads(args.worker))
-        print(json.dumps(run_rank(case, args.rank, args.rendezvous)), flush=True)
-        return 0
-    if args.fused_update and args.kernel != "triton":
-        parser.error("--fused-update needs --kernel triton")
-    if args.batch_size % args.world_size:
-        parser.error(
-            f"--batch-size {args.batch_size} must be divisible by --world-size {args.world_size}"
-        )
 
+def _cases(args: argparse.Namespace) -> list[Case]:
+    """The grid: each class count x each method, the sharded ones also at W = 1."""
     cases = []
     for num_classes in args.classes:
         for method in args.methods:
@@ -641,46 +330,34 @@ def main(argv: list[str] | None = None) -> int:
                          args.chunk_size, args.steps, args.warmup, args.threads, args.device,
                          args.autocast, args.kernel, args.fused_update, args.backward)
                 )  # fmt: skip
-    results = []
-    for case in cases:
-        print(
-            f"running {case.method} W={case.world_size} C={case.num_classes:,} ...", file=sys.stderr
-        )
-        result = run_case(case, args.timeout)
-        if "error" not in result:
-            result["gflops"] = head_flops(case) / result["step_s"] / 1e9
-            result["useful_tflops"] = useful_tflops(case, result)
-            result["percent_of_matmul"] = 100 * result["useful_tflops"] / result["matmul_tflops"]
-        results.append(result)
+    return cases
+
+
+def _measure(case: Case, timeout_s: float) -> dict:
+    """`run_case`, with the rates derived from its step time."""
+    print(f"running {case.method} W={case.world_size} C={case.num_classes:,} ...", file=sys.stderr)
+    result = run_case(case, timeout_s)
+    if "error" not in result:
+        result["gflops"] = head_flops(case) / result["step_s"] / 1e9
+        result["useful_tflops"] = useful_tflops(case, result)
+        result["percent_of_matmul"] = 100 * result["useful_tflops"] / result["matmul_tflops"]
+    return result
+
+
+def _search(sharded: list[Case], timeout_s: float) -> dict:
+    """The largest class count per rank that the last sharded case fits (printed)."""
+    case = sharded[-1]
+    print(f"searching the largest class count for {case.method} W={case.world_size} ...",
+          file=sys.stderr)  # fmt: skip
+    start = max(c.num_classes for c in sharded) // case.world_size
+    largest, tries = largest_class_count(case, timeout_s, start)
     print(
-        f"head benchmark: global batch {args.batch_size}, embedding {args.embedding_size}, "
-        f"chunk {args.chunk_size}, {args.threads} thread(s) per process, device {args.device}, "
-        f"{args.steps} timed steps after {args.warmup} warm-up\n"
+        f"\nlargest class count that fits: {largest:,} classes per rank ({case.method}, "
+        f"kernel {case.kernel}{', fused update' if case.fused_update else ''}, "
+        f"N {case.batch_size}, D {case.embedding_size})"
     )
-    print_table(results)
-    search = None
-    sharded = [c for c in cases if c.method.startswith("sharded")]
-    if args.max_classes_search and sharded:
-        case = sharded[-1]
-        print(f"searching the largest class count for {case.method} W={case.world_size} ...",
-              file=sys.stderr)  # fmt: skip
-        start = max(c.num_classes for c in sharded) // case.world_size
-        largest, tries = largest_class_count(case, args.timeout, start)
-        search = {"method": case.method, "world_size": case.world_size,
-                  "largest_classes_per_rank": largest, "tries": tries}  # fmt: skip
-        print(
-            f"\nlargest class count that fits: {largest:,} classes per rank ({case.method}, "
-            f"kernel {case.kernel}{', fused update' if case.fused_update else ''}, "
-            f"N {case.batch_size}, D {case.embedding_size})"
-        )
-    if args.json is not None:
-        payload = {
-            "settings": vars(args) | {"json": str(args.json)},
-            "results": results,
-            "max_classes_search": search,
-        }
-        args.json.write_text(json.dumps(payload, indent=2, default=str))
-    return 0
+    return {"method": case.method, "world_size": case.world_size,
+            "largest_classes_per_rank": largest, "tries": tries}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,14 +4,14 @@
     python -m benchmarks.head_profile --device cuda --kernel triton torch --fused-update \
         --backward gemm fused --json profile.json
 
-One process, one GPU: the sharded head at W = 1 (benchmarks/head.py's `sharded` step, or
-`sharded-chunked` for the torch path with --chunk-size), warmed up, then --steps steps under
-torch.profiler. For each (kernel, fused) variant it prints the step's wall time (median of
-the steps, synchronised) and the kernels that took the most device time per step, each with
-its share of the step and its time per call, against the floor of 3 matmuls of the head's
-size (2 N D C each) at the rate of a plain matmul of that size timed in the same process
-(benchmarks/head.py's `plain_matmul_tflops`). On a CPU the operators' self CPU time stands
-in for device time.
+One process, one GPU: the sharded head at W = 1 (benchmarks/head_methods.py's `sharded`
+step, or `sharded-chunked` for the torch path with --chunk-size), warmed up, then --steps
+steps under torch.profiler. For each (kernel, fused) variant it prints the step's wall time
+(median of the steps, synchronised) and the kernels that took the most device time per
+step, each with its share of the step and its time per call, against the floor of 3
+matmuls of the head's size (2 N D C each) at the rate of a plain matmul of that size timed
+in the same process (benchmarks/head_worker.py's `plain_matmul_tflops`). On a CPU the
+operators' self CPU time stands in for device time.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.head import Case, _build, plain_matmul_tflops
+from benchmarks.head_methods import Case, build_step
+from benchmarks.head_worker import plain_matmul_tflops
 from benchmarks.table import write_json
 
 
@@ -31,7 +32,7 @@ def profile_case(case: Case, top: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device(case.device)
-    step, _ = _build(case, 0, device)
+    step, _ = build_step(case, 0, device)
 
     def sync() -> None:
         if device.type == "cuda":

@@ -36,7 +36,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.common import REPO_ROOT
+
+
+def add_run_options(parser: argparse.ArgumentParser, *, steps: int, log_every: int) -> None:
+    """The options of a benchmark of `train.py` runs (`run_one`): --steps, --log-every,
+    --json, and config overrides after --."""
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--log-every", type=int, default=log_every)
+    parser.add_argument("--json", type=Path, help="also write the measurements here")
+    parser.add_argument("overrides", nargs="*", help="config overrides (after --)")
 
 
 def run_one(
@@ -101,10 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--config", default="default")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--log-every", type=int, default=5)
-    parser.add_argument("--json", type=Path, help="also write the measurements here")
-    parser.add_argument("overrides", nargs="*", help="config overrides (after --)")
+    add_run_options(parser, steps=30, log_every=5)
     args = parser.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="train_scaling_") as scratch:

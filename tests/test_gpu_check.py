@@ -109,7 +109,7 @@ def test_the_head_benchmark_draws_the_class_rows_on_its_device(monkeypatch):
     import torch
 
     import recognition.heads
-    from benchmarks import head
+    from benchmarks import head_methods as head
 
     drawn_on = []
 
@@ -121,7 +121,7 @@ def test_the_head_benchmark_draws_the_class_rows_on_its_device(monkeypatch):
 
     monkeypatch.setattr(recognition.heads, "ShardedMarginSoftmax", Spy)
     case = head.Case("sharded", 1, 1000, 8, 16, None, 1, 0, 1, "meta", None)
-    head._build(case, 0, torch.device("meta"))
+    head.build_step(case, 0, torch.device("meta"))
     assert drawn_on == [torch.device("meta")]
 
 

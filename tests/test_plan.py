@@ -419,7 +419,7 @@ def test_memory_check_refuses_what_does_not_fit_and_names_the_batch(tmp_path):
 
 def test_cpu_runs_skip_the_memory_check(tmp_path, monkeypatch):
     from recognition.training import plan as plan_module
-    from recognition.training.build import build
+    from recognition.training.loop import build_run as build
     from tests.helpers import make_image_folder, tiny_config
 
     def refuse(*args, **kwargs):

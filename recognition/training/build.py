@@ -3,7 +3,9 @@
 Data (`recognition.data.build`), backbone (`recognition.models`), head
 (`recognition.heads`), precision (`recognition.precision`), optimizer and schedule
 (`recognition.optim`), and the run's progress; `Run` holds them for the loop, the hooks
-and the checkpoints (`Run.checkpoint_parts`).
+and the checkpoints (`Run.checkpoint_parts`). The data can be made first (`build_data`)
+and handed to `build`: the training loop checks the run's memory between the two, with
+the run planner, which builds the model here (`build_model`) and is never imported here.
 """
 
 from __future__ import annotations
@@ -57,15 +59,25 @@ from recognition.pipeline import (
     stage_io,
 )
 from recognition.precision import Precision, StepResult
+from recognition.training.errors import TrainingError
+from recognition.training.parts import ModelParts
 from recognition.training.pipeline_step import PipelineStep, build_pipeline_step
 from recognition.training.state import Progress, RngState
 from recognition.training.step import train_step
 
 log = logging.getLogger(__name__)
 
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (non-finite losses, a run directory that would be overwritten)."""
+__all__ = [
+    "ModelParts",
+    "Run",
+    "TrainData",
+    "TrainingError",
+    "build",
+    "build_data",
+    "build_model",
+    "compile_model",
+    "global_batch",
+]
 
 
 @dataclass
@@ -163,12 +175,27 @@ def global_batch(cfg: ExperimentConfig, world_size: int) -> int:
     return cfg.train.batch_size * cfg.train.accumulate_steps * world_size
 
 
-def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
-    """Make the run's parts on this rank (collective: ranks wait for rank 0's data setup).
+@dataclass
+class TrainData:
+    """The run's data, made before its model (`build_data`; `build` takes it)."""
 
-    Writes config.yaml (and, unless `resuming`, classes.txt: a resumed run's classes are
-    checked against its checkpoint first) into the run directory on rank 0.
-    """
+    source: TrainSource
+    sampler: Sampler
+    decode: Literal["cpu", "gpu"]
+    """Where the images are decoded (data.decode resolved)."""
+    layout: PipelineLayout | None
+    """The pipeline mesh (model.pipeline_stages > 1), whose replicas split the data."""
+    steps_per_epoch: int
+
+    @property
+    def num_classes(self) -> int:
+        return self.source.num_classes
+
+
+def build_data(cfg: ExperimentConfig, dist_info: DistInfo) -> TrainData:
+    """Check what the backbone cannot train, make the pipeline's mesh, the training data
+    and its sampler on this rank (collective: ranks wait for rank 0's data setup). Writes
+    nothing into the run directory."""
     _check_backbone(cfg, dist_info)
     if _pipelined(cfg):  # before the mesh: a layout that cannot be cut stops every rank alike
         check_stages(cfg.model, cfg.data.image_hw, cfg.model.pipeline_stages)
@@ -190,23 +217,34 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
         steps_per_epoch,
         global_batch(cfg, num_replicas),
     )
-    if cfg.train.memory_check and dist_info.device.type == "cuda":
-        # Before the first allocation of the run's size (the planner imports this module).
-        from recognition.training.plan import check_memory
+    return TrainData(data, sampler, decode, layout, steps_per_epoch)
 
-        check_memory(cfg, dist_info, data.num_classes)
+
+def build(
+    cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool, data: TrainData | None = None
+) -> Run:
+    """Make the run's parts on this rank (collective: ranks wait for rank 0's data setup).
+
+    `data`: what `build_data` made for this run; None makes it now. Writes config.yaml
+    (and, unless `resuming`, classes.txt: a resumed run's classes are checked against its
+    checkpoint first) into the run directory on rank 0.
+    """
+    if data is None:
+        data = build_data(cfg, dist_info)
+    source, layout, steps_per_epoch = data.source, data.layout, data.steps_per_epoch
+    num_replicas = layout.dp_size if layout is not None else dist_info.world_size
     if dist_info.is_main:
         save_config(cfg, cfg.run_dir / "config.yaml")
         if not resuming:
-            data.write_classes(cfg.run_dir / "classes.txt")
+            source.write_classes(cfg.run_dir / "classes.txt")
 
     # One batch sequence for the whole run (EpochBatches): the workers load across epochs.
     batches = EpochBatches(
-        sampler, cfg.train.batch_size, steps_per_epoch * cfg.train.accumulate_steps
+        data.sampler, cfg.train.batch_size, steps_per_epoch * cfg.train.accumulate_steps
     )
     memory_format = torch.channels_last if cfg.data.channels_last else torch.preserve_format
-    loader = _build_loader(cfg, dist_info, data, batches, layout, decode, memory_format)
-    parts = build_model(cfg, dist_info, data.num_classes, layout, memory_format)
+    loader = _build_loader(cfg, dist_info, source, batches, layout, data.decode, memory_format)
+    parts = build_model(cfg, dist_info, source.num_classes, layout, memory_format)
     optimizer = parts.optimizer
     total_steps = cfg.train.epochs * steps_per_epoch
     warmup_steps = round(cfg.optim.warmup_epochs * steps_per_epoch)
@@ -219,7 +257,7 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
     return Run(
         cfg=cfg,
         dist_info=dist_info,
-        data=data,
+        data=source,
         batches=batches,
         loader=loader,
         backbone=parts.backbone,
@@ -231,33 +269,13 @@ def build(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
         progress=progress,
         steps_per_epoch=steps_per_epoch,
         last_step=min(total_steps, cfg.train.max_steps or total_steps),
-        classes_sha256=data.classes_fingerprint(),
-        num_classes=data.num_classes,
+        classes_sha256=source.classes_fingerprint(),
+        num_classes=source.num_classes,
         memory_format=memory_format,
         step=parts.step,
         layout=layout,
         param_ids=parts.param_ids,
     )
-
-
-@dataclass
-class ModelParts:
-    """What one rank steps: its backbone (or pipeline stage), the module the step calls,
-    its head shard, the precision, the optimizer and the step function."""
-
-    backbone: nn.Module
-    model: nn.Module
-    head: ShardedMarginSoftmax | None
-    precision: Precision
-    optimizer: torch.optim.Optimizer
-    step: Callable[..., StepResult]
-    param_ids: list[int] | None
-
-    def run_step(self, micro_batches: list, grad_clip: float | None) -> StepResult:
-        """One training step of these parts on `micro_batches`."""
-        return self.step(
-            self.model, self.head, micro_batches, self.optimizer, self.precision, grad_clip
-        )
 
 
 Wrapper = Callable[[ExperimentConfig, DistInfo, nn.Module], nn.Module]

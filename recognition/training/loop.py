@@ -1,4 +1,5 @@
-"""`train(cfg)`: set up, build, resume, run the loop, export and evaluate.
+"""`train(cfg)`: set up, build (the memory check of a GPU run before the model), resume,
+run the loop, export and evaluate.
 
 The same code runs on one process and on N (torchrun): data parallel for the backbone
 (replicated, wrapped in DistributedDataParallel, which averages its gradients), model
@@ -26,8 +27,9 @@ import torch.distributed as dist
 from recognition import checkpoint as ckpt
 from recognition import distributed
 from recognition.config import ExperimentConfig
+from recognition.distributed import DistInfo
 from recognition.logging import MetricsWriter, setup_logging
-from recognition.training.build import Run, TrainingError, build
+from recognition.training.build import Run, TrainingError, build, build_data
 from recognition.training.determinism import deterministic_mode
 from recognition.training.hooks import Hook, default_hooks
 from recognition.training.resume import resume, resume_path
@@ -67,7 +69,7 @@ def _train(cfg: ExperimentConfig) -> Path:
         if dist_info.is_distributed
         else "",
     )
-    run = build(cfg, dist_info, resuming=checkpoint is not None)
+    run = build_run(cfg, dist_info, resuming=checkpoint is not None)
     if checkpoint is not None:
         resume(run, checkpoint)
     metrics = MetricsWriter(cfg.run_dir, dist_info, start_step=run.progress.step)
@@ -86,6 +88,19 @@ def _train(cfg: ExperimentConfig) -> Path:
         gc.collect()
         distributed.shutdown()
     return cfg.run_dir
+
+
+def build_run(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
+    """`build`, with the memory check of a GPU run (train.memory_check) between the data,
+    which gives the class count, and the model: a run whose plan does not fit stops on
+    every rank before anything of its size is allocated or written (collective)."""
+    data = build_data(cfg, dist_info)
+    if cfg.train.memory_check and dist_info.device.type == "cuda":
+        # Imported here: only a GPU run plans, and the planner (fake tensors) costs an import.
+        from recognition.training.plan import check_memory
+
+        check_memory(cfg, dist_info, data.num_classes)
+    return build(cfg, dist_info, resuming=resuming, data=data)
 
 
 def check_run_dir(run_dir: Path) -> None:

@@ -3,7 +3,7 @@
 Prints the plan of every distinct rank (`recognition.training.plan`), a roofline bound of
 the step time per GPU model beside the project's measured figures, and one line: fits or
 not in the given memory, the largest `train.batch_size` and the largest class count that
-fit (`largest`: a few more plans of the rank with the highest peak).
+fit (`plan.search`: a few more plans of the rank with the highest peak).
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from recognition.training.plan import (
     PlanError,
     RunPlan,
     format_bytes,
-    largest,
-    plan_rank,
+    largest_batch,
+    largest_classes,
     plan_run,
     usable_bytes,
-    with_batch,
 )
 from recognition.training.roofline import DEVICES
 
@@ -130,67 +129,6 @@ def verdict(cfg: ExperimentConfig, plan: RunPlan, gpu_memory_gib: float) -> str:
         f"that fits: {batch or 'none'}; largest class count that fits: "
         f"{f'about {_three_digits(classes):,}' if classes else 'none'}"
     )
-
-
-def largest_batch(cfg: ExperimentConfig, plan: RunPlan, limit: int) -> int:
-    """The largest train.batch_size that fits (with a pipeline: a multiple of its
-    micro-batch size, of as many micro-batches as its schedule needs at least)."""
-    unit, smallest = _batch_steps(cfg)
-    # Without a pipeline the rank with the largest shard; with one every stage's first
-    # replica (the last stage's holds the largest shard: the other replicas peak lower).
-    stages = cfg.model.pipeline_stages
-    ranks = list(range(stages)) if stages > 1 else [plan.worst.rank]
-
-    def batch_of(x: int) -> int:
-        # The search runs over x = 1, 2, ...: the smallest batch that runs, the next ...
-        return unit * (x + smallest - 1)
-
-    def peak_at(x: int) -> int:
-        batch = batch_of(x)
-        if batch == 1:  # BatchNorm needs two samples to train: never fits
-            return limit + 1
-        if batch == plan.batch_size:
-            return max(r.peak for r in plan.ranks if r.rank in ranks)
-        trial = with_batch(cfg, batch)
-        return max(
-            plan_rank(trial, plan.num_classes, plan.world_size, r, detailed=False).peak
-            for r in ranks
-        )
-
-    start = max(1, plan.batch_size // unit - smallest + 1)
-    found = largest(peak_at, start, limit)
-    return batch_of(found) if found else 0
-
-
-def largest_classes(cfg: ExperimentConfig, plan: RunPlan, limit: int) -> int:
-    """The largest class count that fits (within 1 %): the rank with the largest shard
-    planned anew, the stages without the head as planned (they hold no class)."""
-    world, stages = plan.world_size, cfg.model.pipeline_stages
-    head_rank = stages - 1  # the last stage of the first replica: the largest shard
-    others = max(
-        (r.peak for r in plan.ranks if r.stage is not None and r.stage != head_rank), default=0
-    )
-
-    def peak_at(num_classes: int) -> int:
-        if num_classes == plan.num_classes:
-            return plan.worst.peak
-        return max(others, plan_rank(cfg, num_classes, world, head_rank, detailed=False).peak)
-
-    return largest(peak_at, max(plan.num_classes, world // stages), limit, tolerance=0.01)
-
-
-def _batch_steps(cfg: ExperimentConfig) -> tuple[int, int]:
-    """(unit, smallest): train.batch_size is a multiple of `unit` and at least `smallest`
-    of them. Without a pipeline 1 and 1; with one, its micro-batches: 2 x stages of them
-    when model.micro_batch_size is null (of 2 samples at least, for BatchNorm), else
-    micro-batches of that size, at least as many as stages under 1F1B."""
-    model = cfg.model
-    if model.pipeline_stages == 1:
-        return 1, 1
-    if model.micro_batch_size is None:
-        return 2 * model.pipeline_stages, 2
-    smallest = model.pipeline_stages if model.pipeline_schedule == "1f1b" else 1
-    return model.micro_batch_size, smallest
 
 
 def _three_digits(count: int) -> int:
