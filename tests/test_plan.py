@@ -1,4 +1,4 @@
-"""The run planner (recognition/training/plan.py) against reality and against formulas.
+"""The run planner (recognition/training/plan/) against reality and against formulas.
 
 Reality: the CPU allocator's peak of the same step on real tensors (torch.profiler's
 memory events, `plan_check.measure_rank`), on one process and on two gloo ranks, for six
