@@ -21,7 +21,7 @@ import statistics
 import pytest
 import test_head_distributed as hd
 import torch
-from test_head import assert_close_rel, run_head
+from test_head import assert_close_rel, assert_moved_alike, run_head, step_heads
 
 from recognition import checkpoint as ckpt
 from recognition import distributed
@@ -291,12 +291,8 @@ def test_fused_update_composes_with_adaface():
     initial = fast.weight.detach().clone()
     for step in range(2):
         _, embeddings, labels = adaface_problem(3, step, torch.float32)
-        for head, opt in ((fast, fast_opt), (slow, slow_opt)):
-            opt.zero_grad(set_to_none=True)
-            head(embeddings, labels).backward()
-            opt.step()
-    moved = (fast.weight - initial).detach().double()
-    assert_close_rel(moved, (slow.weight - initial).detach().double(), 1e-5)
+        step_heads(((fast, fast_opt), (slow, slow_opt)), embeddings, labels)
+    assert_moved_alike(fast, slow, initial)
     assert torch.equal(fast.margin.running_mean, slow.margin.running_mean)
     config_from_dict(
         {

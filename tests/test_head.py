@@ -69,6 +69,21 @@ def run_head(head, embeddings, labels):
     return loss.detach(), embeddings.grad, head.weight.grad
 
 
+def step_heads(pairs, embeddings, labels):
+    """One optimizer step of each (head, optimizer) of `pairs` on the same batch."""
+    for head, optimizer in pairs:
+        optimizer.zero_grad(set_to_none=True)
+        head(embeddings, labels).backward()
+        optimizer.step()
+
+
+def assert_moved_alike(fast, slow, initial, rel=1e-5):
+    """The two heads' class rows moved from `initial` by the same steps (relative to the
+    largest move)."""
+    moved = (fast.weight - initial).detach().double()
+    assert_close_rel(moved, (slow.weight - initial).detach().double(), rel)
+
+
 def assert_close_rel(actual, expected, rel):
     """|actual - expected| <= rel * max|expected| elementwise (relative to the tensor's scale)."""
     actual = actual.double()

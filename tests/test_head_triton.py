@@ -27,11 +27,13 @@ import torch  # noqa: E402
 from test_head import (  # noqa: E402
     MARGIN_CASES,
     assert_close_rel,
+    assert_moved_alike,
     make_batch,
     psi_arcface,
     reference_loss,
     restricted_reference,
     run_head,
+    step_heads,
 )
 
 from recognition.config import ConfigError, config_from_dict  # noqa: E402
@@ -126,6 +128,21 @@ class RecordedKernel:
         return launch
 
 
+def free_then_deterministic(runs: int):
+    """A CosFace head of 400 classes on 33 rows: (head, embeddings, labels, one step's loss
+    and gradients, and `runs` more in deterministic mode)."""
+    torch.manual_seed(3)
+    head = ShardedMarginSoftmax(400, EMBEDDING_SIZE, CosFace(s=16.0), kernel="triton")
+    embeddings, labels = make_labels_with_duplicates(400, 33, seed=4)
+    free = run_head(head, embeddings, labels)
+    torch.use_deterministic_algorithms(True)
+    try:
+        ordered = [run_head(head, embeddings, labels) for _ in range(runs)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    return head, embeddings, labels, free, ordered
+
+
 def test_deterministic_mode_reduces_without_atomics_and_repeats_bitwise(monkeypatch):
     # The fused backward's embedding gradient: atomics, or a fixed-order sum in deterministic
     # mode. The interpreter runs programs one after another, so atomics give the same bits
@@ -133,16 +150,7 @@ def test_deterministic_mode_reduces_without_atomics_and_repeats_bitwise(monkeypa
     use_backward(monkeypatch, "fused")
     recorded = RecordedKernel(fused_backward._grad_embeddings_kernel)
     monkeypatch.setattr(fused_backward, "_grad_embeddings_kernel", recorded)
-    torch.manual_seed(3)
-    head = ShardedMarginSoftmax(400, EMBEDDING_SIZE, CosFace(s=16.0), kernel="triton")
-    embeddings, labels = make_labels_with_duplicates(400, 33, seed=4)
-    atomic = run_head(head, embeddings, labels)
-    torch.use_deterministic_algorithms(True)
-    try:
-        first = run_head(head, embeddings, labels)
-        second = run_head(head, embeddings, labels)
-    finally:
-        torch.use_deterministic_algorithms(False)
+    head, embeddings, labels, atomic, (first, second) = free_then_deterministic(runs=2)
     assert recorded.atomic == [True, False, False]
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
@@ -158,15 +166,7 @@ def test_deterministic_mode_reduces_without_atomics_and_repeats_bitwise(monkeypa
 def test_gemm_backward_repeats_bitwise_in_deterministic_mode(monkeypatch):
     # No atomics: the chunks are summed in order, with or without deterministic mode.
     use_backward(monkeypatch, "gemm")
-    torch.manual_seed(3)
-    head = ShardedMarginSoftmax(400, EMBEDDING_SIZE, CosFace(s=16.0), kernel="triton")
-    embeddings, labels = make_labels_with_duplicates(400, 33, seed=4)
-    free = run_head(head, embeddings, labels)
-    torch.use_deterministic_algorithms(True)
-    try:
-        first = run_head(head, embeddings, labels)
-    finally:
-        torch.use_deterministic_algorithms(False)
+    _, _, _, free, (first,) = free_then_deterministic(runs=1)
     for a, b in zip(first, free, strict=True):
         assert torch.equal(a, b)
 
@@ -199,12 +199,8 @@ def test_gpu_shaped_tiles_match_torch_path_and_fused_update(sample_rate, name, m
     fast.attach_fused_update(fast_opt)
     slow.attach_optimizer(slow_opt)
     initial = fast.weight.detach().clone()
-    for head, opt in ((fast, fast_opt), (slow, slow_opt)):
-        opt.zero_grad(set_to_none=True)
-        head(embeddings, labels).backward()
-        opt.step()
-    moved = (fast.weight - initial).detach().double()
-    assert_close_rel(moved, (slow.weight - initial).detach().double(), 1e-5)
+    step_heads(((fast, fast_opt), (slow, slow_opt)), embeddings, labels)
+    assert_moved_alike(fast, slow, initial)
 
 
 def test_tile_config_rejects_what_the_compiler_would_refuse():

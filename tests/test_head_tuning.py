@@ -285,6 +285,21 @@ def small_shape(tiling, **changes):
     return tiling.TuneShape(**{**fields, **changes})
 
 
+def fake_tuning(tiling, monkeypatch, tiles: list) -> tuple[list, object]:
+    """Tiling as on a GPU, with `tiles` as every kernel's candidates and a timer under which
+    each kernel's second candidate is the faster (nothing runs); returns (a list that grows
+    by one per timing, the timer)."""
+    monkeypatch.setattr(tiling, "should_tune", lambda device, shape: True)
+    monkeypatch.setattr(tiling, "candidates", lambda name, d_pad, base: tiles)
+    times = []
+
+    def timer(run):
+        times.append(1)
+        return 1e-3 if len(times) % 2 == 0 else 2e-3
+
+    return times, timer
+
+
 def test_tuning_keeps_the_fastest_candidate_that_runs(tiling):
     kernels = triton_stats.triton_kernels()
     small = kernels.KernelTiles(16, 16, 16, 1, 1)
@@ -317,13 +332,7 @@ def test_tiles_are_timed_once_then_cached_per_shape(tiling, tmp_path, monkeypatc
     tiles = [kernels.KernelTiles(16, 16, 16, 1, 1), kernels.KernelTiles(32, 16, 16, 1, 1)]
     table = kernels.TileConfig(tiles[0], tiles[0], tiles[0], target_programs=4, backward="fused")
     monkeypatch.setattr(kernels, "default_tiles", lambda device, dim, dtype: table)
-    monkeypatch.setattr(tiling, "should_tune", lambda device, shape: True)
-    monkeypatch.setattr(tiling, "candidates", lambda name, d_pad, base: tiles)
-    times = []
-
-    def timer(run):  # the second candidate is faster; nothing runs
-        times.append(1)
-        return 1e-3 if len(times) % 2 == 0 else 2e-3
+    times, timer = fake_tuning(tiling, monkeypatch, tiles)
 
     cpu, cache = torch.device("cpu"), tuning.TuningCache(tmp_path)
     with caplog.at_level(logging.INFO, logger=tiling.__name__):
@@ -363,13 +372,7 @@ def test_the_gemm_backward_tunes_only_the_forwards_tiles(tiling, tmp_path, monke
     table = kernels.TileConfig(tiles[0], tiles[0], tiles[0], target_programs=4)
     assert table.backward == "gemm"
     monkeypatch.setattr(kernels, "default_tiles", lambda device, dim, dtype: table)
-    monkeypatch.setattr(tiling, "should_tune", lambda device, shape: True)
-    monkeypatch.setattr(tiling, "candidates", lambda name, d_pad, base: tiles)
-    timed = []
-
-    def timer(run):
-        timed.append(1)
-        return 1e-3 if len(timed) % 2 == 0 else 2e-3
+    timed, timer = fake_tuning(tiling, monkeypatch, tiles)
 
     cache = tuning.TuningCache(tmp_path)
     config = tiling.tiles_for(torch.device("cpu"), small_shape(tiling), cache, timer)
@@ -413,13 +416,7 @@ def test_the_forwards_tiles_are_kept_apart_per_backward(tiling, tmp_path, monkey
     # (the GPU check found the fused backward's forward reading the GEMM one's from memory).
     kernels = triton_stats.triton_kernels()
     tiles = [kernels.KernelTiles(16, 16, 16, 1, 1), kernels.KernelTiles(32, 16, 16, 1, 1)]
-    monkeypatch.setattr(tiling, "should_tune", lambda device, shape: True)
-    monkeypatch.setattr(tiling, "candidates", lambda name, d_pad, base: tiles)
-    timed = []
-
-    def timer(run):
-        timed.append(1)
-        return 1e-3 if len(timed) % 2 == 0 else 2e-3
+    timed, timer = fake_tuning(tiling, monkeypatch, tiles)
 
     cache = tuning.TuningCache(tmp_path)
     for backward in ("gemm", "fused"):

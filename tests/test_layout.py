@@ -117,24 +117,28 @@ def imported_modules(tree: ast.AST) -> set[str]:
     return names
 
 
+def imports_matching(paths: list[Path], forbidden: tuple[str, ...]) -> list[str]:
+    """'<file> imports <module>' for each import of a `forbidden` prefix in `paths`."""
+    return [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in paths
+        for name in sorted(imported_modules(ast.parse(path.read_text())))
+        if name.startswith(forbidden)
+    ]
+
+
 def test_lower_layers_do_not_import_upper_ones():
-    wrong = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        relative = path.relative_to(PACKAGE).as_posix()
-        if not relative.startswith(LOWER):
-            continue
-        for name in imported_modules(ast.parse(path.read_text())):
-            if name.startswith(UPPER):
-                wrong.append(f"{relative} imports {name}")
+    lower = [
+        p
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if p.relative_to(PACKAGE).as_posix().startswith(LOWER)
+    ]
+    wrong = imports_matching(lower, UPPER)
     assert not wrong, wrong
 
 
 def test_the_config_imports_none_of_the_code_it_configures():
-    wrong = []
-    for path in sorted((PACKAGE / "config").rglob("*.py")):
-        for name in imported_modules(ast.parse(path.read_text())):
-            if name.startswith(CONFIG_MUST_NOT_IMPORT):
-                wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    wrong = imports_matching(sorted((PACKAGE / "config").rglob("*.py")), CONFIG_MUST_NOT_IMPORT)
     assert not wrong, wrong
 
 

@@ -40,7 +40,32 @@ def l2_normalize_backward(rows: Tensor, grad_normalized: Tensor) -> Tensor:
     return grad_rows
 
 
-class LocalClassStats(torch.autograd.Function):
+class ClassStatsFunction(torch.autograd.Function):
+    """What the two paths' autograd functions share: outputs (max, sum-exp, target cosine),
+    the max not differentiable (it only shifts exp() into range), and a backward that hands
+    the other two gradients to the subclass's `gradients(ctx, grad_sumexp, grad_target_cos)`,
+    which the forward names as `ctx.gradients`."""
+
+    @staticmethod
+    def outputs(
+        ctx: torch.autograd.function.FunctionCtx, row_max: Tensor, sumexp: Tensor, cos: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        ctx.mark_non_differentiable(row_max)
+        return row_max, sumexp, cos
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx,
+        grad_max: Tensor,
+        grad_sumexp: Tensor,
+        grad_target_cos: Tensor,
+    ) -> tuple[Tensor | None, ...]:
+        del grad_max  # a constant shift of the logits
+        return ctx.gradients(ctx, grad_sumexp, grad_target_cos)
+
+
+class LocalClassStats(ClassStatsFunction):
     """Softmax statistics of the non-target logits of this rank's classes, and the target cosine.
 
     Inputs: normalised embeddings (N, D) in the statistics dtype (float32 or float64); the raw
@@ -109,18 +134,13 @@ class LocalClassStats(torch.autograd.Function):
             norm_embeddings, weight, row_index, target_row, target_rows, target_pos, row_max, kept
         )
         ctx.scale, ctx.block_size, ctx.matmul_dtype = scale, block_size, matmul_dtype
-        ctx.mark_non_differentiable(row_max)
-        return row_max, row_sumexp, target_cos
+        ctx.gradients = LocalClassStats.gradients
+        return ClassStatsFunction.outputs(ctx, row_max, row_sumexp, target_cos)
 
     @staticmethod
-    @once_differentiable
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx,
-        grad_max: Tensor,
-        grad_sumexp: Tensor,
-        grad_target_cos: Tensor,
-    ) -> tuple[Tensor | None, Tensor | None, None, None, None, None, None, None]:
-        del grad_max  # the max only shifts exp() into range: a constant (see forward)
+    def gradients(
+        ctx: torch.autograd.function.FunctionCtx, grad_sumexp: Tensor, grad_target_cos: Tensor
+    ) -> tuple[Tensor | None, ...]:
         (norm_embeddings, weight, row_index, target_row, target_rows, target_pos, row_max, kept) = (
             ctx.saved_tensors
         )
@@ -159,14 +179,31 @@ class LocalClassStats(torch.autograd.Function):
                     grad_weight.index_copy_(0, row_index[start:stop], grad_rows.to(weight.dtype))
 
         # The target cosine: cos_i = <e_i, normalize(w_t(i))>, computed in the stats dtype.
-        owned = target_row >= 0
-        grad_target = torch.where(owned, grad_target_cos, 0.0)[:, None]  # (N, 1)
+        grad_target, grad_rows = target_share(
+            grad_target_cos, norm_embeddings, weight, target_row, want_weight
+        )
         grad_embeddings += grad_target * target_rows
         if want_weight:
-            raw_rows = weight[target_row.clamp(min=0)].to(stats_dtype)
-            grad_rows = l2_normalize_backward(raw_rows, grad_target * norm_embeddings)
             add_target_rows_(grad_weight, target_row, grad_rows)
         return grad_embeddings, grad_weight, None, None, None, None, None, None
+
+
+def target_share(
+    grad_target_cos: Tensor,
+    norm_embeddings: Tensor,
+    weight: Tensor,
+    target_row: Tensor,
+    want_weight: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """The target cosine's part of the backward: d loss / d cos (N, 1), 0 where another rank
+    owns the label, and (when `want_weight`) its gradient with respect to each row's raw
+    target row (N, D) in the statistics dtype, else None."""
+    owned = target_row >= 0
+    grad_target = torch.where(owned, grad_target_cos, 0.0)[:, None]  # (N, 1)
+    if not want_weight:
+        return grad_target, None
+    raw_rows = weight[target_row.clamp(min=0)].to(norm_embeddings.dtype)
+    return grad_target, l2_normalize_backward(raw_rows, grad_target * norm_embeddings)
 
 
 def add_target_rows_(grad_weight: Tensor, target_row: Tensor, grad_rows: Tensor) -> None:

@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from recognition.heads.local_stats import (
+    ClassStatsFunction,
     add_target_rows_,
-    l2_normalize_backward,
     norm_eps,
+    target_share,
     target_terms,
 )
 
@@ -95,7 +95,7 @@ def fused_sgd(
     return FusedSGD(optimizer, weight)
 
 
-class TritonClassStats(torch.autograd.Function):
+class TritonClassStats(ClassStatsFunction):
     """`LocalClassStats` (same inputs and outputs) on the fused Triton kernels.
 
     Statistics in float32 only. The target cosine is computed as in `LocalClassStats`; the
@@ -134,18 +134,13 @@ class TritonClassStats(torch.autograd.Function):
             row_max,
         )  # fmt: skip
         ctx.scale, ctx.matmul_dtype, ctx.tiles, ctx.fused = scale, matmul_dtype, tiles, fused
-        ctx.mark_non_differentiable(row_max)
-        return row_max, row_sumexp, target_cos
+        ctx.gradients = TritonClassStats.gradients
+        return ClassStatsFunction.outputs(ctx, row_max, row_sumexp, target_cos)
 
     @staticmethod
-    @once_differentiable
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx,
-        grad_max: Tensor,
-        grad_sumexp: Tensor,
-        grad_target_cos: Tensor,
+    def gradients(
+        ctx: torch.autograd.function.FunctionCtx, grad_sumexp: Tensor, grad_target_cos: Tensor
     ) -> tuple[Tensor | None, ...]:
-        del grad_max  # a constant shift (see LocalClassStats)
         kernels = triton_kernels()
         (norm_embeddings, weight, row_index, target_row, target_rows, target_pos, inv_norm,
          row_max) = ctx.saved_tensors  # fmt: skip
@@ -154,11 +149,9 @@ class TritonClassStats(torch.autograd.Function):
         owned = target_row >= 0
         # The target cosine's share, as LocalClassStats computes it; before the kernels,
         # since a fused update overwrites the weight.
-        grad_target = torch.where(owned, grad_target_cos, 0.0)[:, None]  # (N, 1)
-        target_grad_rows = None
-        if want_weight:
-            raw_rows = weight[target_row.clamp(min=0)].float()
-            target_grad_rows = l2_normalize_backward(raw_rows, grad_target * norm_embeddings)
+        grad_target, target_grad_rows = target_share(
+            grad_target_cos, norm_embeddings, weight, target_row, want_weight
+        )
         target_grad = None
         if fused is not None:  # one summed gradient per distinct target row
             rows, inverse = torch.unique(target_row[owned], return_inverse=True)

@@ -72,6 +72,15 @@ def _raw_dots(
 
 
 @triton.jit
+def _row_block(TARGET, num_rows, BLOCK_N: tl.constexpr):
+    """This program's block of rows of the global batch (axis 0 of the grid): their
+    positions, mask and target positions (-1 where not owned, and in the padding)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < num_rows
+    return offs_n, n_mask, tl.load(TARGET + offs_n, mask=n_mask, other=-1)
+
+
+@triton.jit
 def _tile_dots(
     W, ROW_INDEX, E, INV_NORM, first, num_classes, offs_n, n_mask, dim, stride_wc, stride_en,
     HAS_INDEX: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -37,7 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from recognition.heads.kernels import host
-from recognition.heads.kernels.blocks import _logits, _tile_dots
+from recognition.heads.kernels.blocks import _logits, _row_block, _tile_dots
 from recognition.heads.kernels.host import chunk_rows, launch_settings, splits
 from recognition.heads.kernels.tiles import TileConfig
 
@@ -55,9 +55,7 @@ def _forward_kernel(
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     pid_s = tl.program_id(1)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < num_rows
-    target = tl.load(TARGET + offs_n, mask=n_mask, other=-1)
+    offs_n, n_mask, target = _row_block(TARGET, num_rows, BLOCK_N)
     row_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     row_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for t in range(0, tiles_per_split):

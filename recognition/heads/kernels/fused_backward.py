@@ -55,6 +55,7 @@ from recognition.heads.kernels.blocks import (
     _grad_dots,
     _halves,
     _raw_dots,
+    _row_block,
     _tile_dots,
 )
 from recognition.heads.kernels.host import BackwardInputs, launch_settings, splits
@@ -70,9 +71,7 @@ def _grad_embeddings_kernel(
     MM_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     pid_s = tl.program_id(1)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < num_rows
-    target = tl.load(TARGET + offs_n, mask=n_mask, other=-1)
+    offs_n, n_mask, target = _row_block(TARGET, num_rows, BLOCK_N)
     shift = tl.load(SHIFT + offs_n, mask=n_mask, other=0.0)
     grad_scale = tl.load(GRAD_SCALE + offs_n, mask=n_mask, other=0.0)
     offs_d = tl.arange(0, D_PAD)

@@ -49,7 +49,13 @@ import triton.language as tl
 from torch import Tensor
 
 from recognition.heads.kernels import forward
-from recognition.heads.kernels.blocks import _class_block, _finish_rows, _grad_dots, _tile_dots
+from recognition.heads.kernels.blocks import (
+    _class_block,
+    _finish_rows,
+    _grad_dots,
+    _row_block,
+    _tile_dots,
+)
 from recognition.heads.kernels.host import (
     BackwardInputs,
     chunk_classes,
@@ -89,9 +95,7 @@ def _grad_logits_kernel(
 ):  # fmt: skip
     # Row blocks vary fastest, so the programs that read one tile of class rows run together
     # and the rows come from the L2 cache after the first.
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < num_rows
-    target = tl.load(TARGET + offs_n, mask=n_mask, other=-1)
+    offs_n, n_mask, target = _row_block(TARGET, num_rows, BLOCK_N)
     shift = tl.load(SHIFT + offs_n, mask=n_mask, other=0.0)
     grad_scale = tl.load(GRAD_SCALE + offs_n, mask=n_mask, other=0.0)
     offs_c, c_mask, rows, inv_norm, raw = _tile_dots(
