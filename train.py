@@ -74,10 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     from recognition.logging import log_to_files
     from recognition.pipeline import PipelineError
     from recognition.training import TrainingError, train
+    from recognition.training.stopping import EXIT_STOPPED, RunStopped
 
     rank = int(os.environ.get("RANK", "0"))
     try:
         train(cfg)
+    except RunStopped as stopped:  # a stop signal or the time limit, with a checkpoint
+        if rank == 0:
+            print(stopped, file=sys.stderr)
+        return EXIT_STOPPED
     except Exception as raised:
         # OSError: files and folders (a missing or unreadable one, a full disk), named in the
         # message by the code that raised it. A pipeline schedule re-raises a stage's error

@@ -3,10 +3,13 @@ compiles, and its AMP level."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from recognition.config.values import ConfigError, check_counts
+from recognition.config.values import ConfigError, check_counts, parse_time_limit
+
+# The signals a run can catch to stop (not SIGKILL or SIGSTOP, which no process can).
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
 
 
 @dataclass
@@ -51,6 +54,17 @@ class TrainConfig:
     compile_backend: str = "inductor"
     """torch.compile's backend: inductor (the one that makes kernels), or aot_eager / eager to
     tell a compiler problem from a model problem (they trace but do not speed up)."""
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
+    """Signals that stop the run after the step in flight, with a checkpoint of it, and exit
+    with status 75 (training/stopping.py; torchrun forwards SIGTERM and SIGINT to the ranks);
+    [] leaves every signal its default action."""
+    time_limit: str | float | None = None
+    """Stop with a checkpoint before this much time has passed since the run started,
+    leaving time for the save: D-HH:MM:SS, HH:MM:SS, MM:SS or seconds; auto: the Slurm job's
+    end (SLURM_JOB_END_TIME, or squeue); null: no limit."""
+    requeue: bool = False
+    """After a stop, rank 0 requeues the Slurm job (scontrol requeue; an array job's own
+    task), which then resumes with train.resume=auto."""
     deterministic: bool = False
     """Reproducible kernels: torch.use_deterministic_algorithms, cuDNN deterministic and not
     benchmarking, CUBLAS_WORKSPACE_CONFIG=:4096:8. Costs GPU speed (cuDNN cannot pick its
@@ -73,6 +87,15 @@ class TrainConfig:
             raise ConfigError(f"train.timeout_s: must be positive, got {self.timeout_s}")
         if isinstance(self.resume, str) and not self.resume:
             raise ConfigError("train.resume: empty path (use true, false, auto or a path)")
+        for name in self.stop_signals:
+            if name not in STOP_SIGNALS:
+                raise ConfigError(
+                    f"train.stop_signals: {name!r} is not one of {', '.join(STOP_SIGNALS)}"
+                )
+        try:
+            parse_time_limit(self.time_limit)
+        except ValueError as exc:
+            raise ConfigError(f"train.time_limit: {exc}") from None
 
 
 @dataclass

@@ -3,6 +3,7 @@ sizes given as one side or [H, W] (in a config or on a command line)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,3 +77,28 @@ def parse_image_size(text: str, key: str) -> int | tuple[int, int]:
         raise ConfigError(f"{key}: expected N or HxW (e.g. 112 or 256x128), got {text!r}")
     size = check_image_size(sides[0] if len(sides) == 1 else sides, key)
     return size if isinstance(size, int) else (size[0], size[1])
+
+
+def parse_time_limit(value: str | float | None) -> float | str | None:
+    """Seconds from "D-HH:MM:SS", "HH:MM:SS", "MM:SS" (Slurm's forms) or a number of
+    seconds (YAML reads 47:30:00 as base-60 seconds: the same); "auto" stays "auto"; None is
+    no limit. Raises ValueError on anything else."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        text = str(value).strip()
+        match = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", text)
+        if re.fullmatch(r"\d+(\.\d+)?", text):
+            seconds = float(text)
+        elif match is None:
+            raise ValueError(f"{value!r} is not D-HH:MM:SS, HH:MM:SS, MM:SS, seconds or auto")
+        else:
+            days, hours, minutes, secs = (int(g) if g else 0 for g in match.groups())
+            if minutes >= 60 or secs >= 60:
+                raise ValueError(f"{value!r}: minutes and seconds must be below 60")
+            seconds = float(((days * 24 + hours) * 60 + minutes) * 60 + secs)
+    if not seconds > 0:
+        raise ValueError(f"{value!r}: must be positive")
+    return seconds

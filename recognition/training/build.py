@@ -117,6 +117,11 @@ class Run:
     """The pipeline mesh (model.pipeline_stages > 1), else None."""
     param_ids: list[int] | None = None
     """The optimizer's parameters' indices in the whole model's optimizer (a stage's)."""
+    stop_reason: str | None = None
+    """Why the run ends before `last_step` (a signal's name, the time limit), set by the
+    StopHook at the step every rank stops at; None while it goes on."""
+    save_seconds: list[float] = field(default_factory=list)
+    """How long each checkpoint of this run took to save (the time limit's reserve)."""
 
     @property
     def run_dir(self) -> Path:

@@ -96,10 +96,12 @@ class FirstStepTimer(Hook):
 
 
 def log_due(run: Run) -> bool:
-    """Whether the step just taken is a logging step (every `train.log_every`, and the last):
-    the only steps after which hooks read the step's tensors on the host."""
+    """Whether the step just taken is a logging step (every `train.log_every`, and the last,
+    or the one a stop ends the run at): the only steps after which hooks read the step's
+    tensors on the host."""
     step = run.progress.step
-    return step % run.cfg.train.log_every == 0 or step == run.last_step
+    last = step == run.last_step or run.stop_reason is not None
+    return step % run.cfg.train.log_every == 0 or last
 
 
 class NonFiniteGuard(Hook):
@@ -279,14 +281,16 @@ def peak_memory_mb(device: torch.device) -> float:
 
 class Checkpointer(Hook):
     """Saves the run's parts every `train.checkpoint_every` steps (null: at the end of each
-    epoch) and at the last step (collective: every rank writes its own class rows)."""
+    epoch), at the last step and at the step a stop ends the run at (collective: every rank
+    writes its own class rows); times each save (`run.save_seconds`)."""
 
     def after_step(self, run: Run, result: StepResult) -> None:
         # A step skipped for a non-finite loss changed no weight: what is saved is intact.
         step, every = run.progress.step, run.cfg.train.checkpoint_every
+        stopping = run.stop_reason is not None
         if (every and step % every == 0) or step == run.last_step:
             self.save(run)
-        elif run.end_of_epoch and every is None:
+        elif run.end_of_epoch and (every is None or stopping):
             # Saved as the start of the next epoch, so a resume does not redo this one's end.
             progress = run.progress
             epoch, batches_done = progress.epoch, progress.batches_done
@@ -295,15 +299,19 @@ class Checkpointer(Hook):
                 self.save(run)
             finally:
                 progress.epoch, progress.batches_done = epoch, batches_done
+        elif stopping:
+            self.save(run)
 
     @staticmethod
     def save(run: Run) -> None:
+        start = time.perf_counter()
         ckpt.save_checkpoint(
             run.run_dir,
             run.progress.step,
             run.checkpoint_parts(),
             keep=run.cfg.train.keep_checkpoints,
         )
+        run.save_seconds.append(time.perf_counter() - start)
 
 
 class BadImageReport(Hook):

@@ -1,5 +1,6 @@
 """`train(cfg)`: set up, build (the memory check of a GPU run before the model), resume,
-run the loop, export and evaluate.
+run the loop, export and evaluate; or, stopped early by a signal or the time limit
+(training/stopping.py), checkpoint the step it stopped at and raise RunStopped.
 
 The same code runs on one process and on N (torchrun): data parallel for the backbone
 (replicated, wrapped in DistributedDataParallel, which averages its gradients), model
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from recognition import checkpoint as ckpt
 from recognition import distributed
 from recognition.config import ExperimentConfig
+from recognition.config.values import parse_time_limit
 from recognition.distributed import DistInfo
 from recognition.logging import MetricsWriter, setup_logging
 from recognition.training.build import Run, TrainingError, build, build_data
@@ -34,6 +36,12 @@ from recognition.training.determinism import deterministic_mode
 from recognition.training.hooks import Hook, default_hooks
 from recognition.training.resume import resume, resume_path
 from recognition.training.state import seed_everything
+from recognition.training.stopping import (
+    RunStopped,
+    SignalCatcher,
+    StopHook,
+    requeue_slurm_job,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +81,17 @@ def _train(cfg: ExperimentConfig) -> Path:
     if checkpoint is not None:
         resume(run, checkpoint)
     metrics = MetricsWriter(cfg.run_dir, dist_info, start_step=run.progress.step)
+    catcher = SignalCatcher(cfg.train.stop_signals)
+    stop = StopHook(catcher, parse_time_limit(cfg.train.time_limit))
+    stopped: RunStopped | None = None
     try:
-        run_loop(run, default_hooks(run, metrics))
+        with catcher.installed():
+            run_loop(run, [stop, *default_hooks(run, metrics)])
+            stopped = stopped_run(run) if run.stop_reason is not None else None
     finally:
         metrics.close()
-    _finish(run)
+    if stopped is None:
+        _finish(run)
     if owns_group:
         # The run's DDP reducer holds the process group too. Freed after the group is left,
         # it would be the group's last owner and destroy it holding the GIL, while gloo's
@@ -87,7 +101,25 @@ def _train(cfg: ExperimentConfig) -> Path:
         del run
         gc.collect()
         distributed.shutdown()
+    if stopped is not None:
+        raise stopped
     return cfg.run_dir
+
+
+def stopped_run(run: Run) -> RunStopped:
+    """After a stop (its checkpoint saved): the line that says so, logged, and with
+    `train.requeue` on a Slurm job rank 0's requeue; returns the RunStopped to raise once the
+    run is torn down. Every rank waits for the checkpoint to be whole first."""
+    distributed.barrier()
+    step = run.progress.step
+    message = (
+        f"stopped by {run.stop_reason} at step {step}; checkpoint "
+        f"{ckpt.checkpoint_path(run.run_dir, step)}; resume with train.resume=auto"
+    )
+    if run.cfg.train.requeue and run.dist_info.is_main:
+        message += f"; {requeue_slurm_job()}"
+    log.info("%s", message)
+    return RunStopped(message, step, run.stop_reason or "")
 
 
 def build_run(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> Run:
@@ -120,7 +152,8 @@ def check_run_dir(run_dir: Path) -> None:
 
 
 def run_loop(run: Run, hooks: list[Hook], step_fn: Callable | None = None) -> None:
-    """Step until `run.last_step`, calling `hooks` around every step and epoch.
+    """Step until `run.last_step`, or the step a stop ends the run at (`run.stop_reason`,
+    set by the StopHook), calling `hooks` around every step and epoch.
 
     `step_fn` (default `run.step`: `train_step`, or the pipeline's step) takes (model,
     head, micro-batches, optimizer, precision, max grad norm) and returns a `StepResult`;
@@ -138,10 +171,10 @@ def run_loop(run: Run, hooks: list[Hook], step_fn: Callable | None = None) -> No
     # One iterator for the whole run: the loader's workers keep loading across epochs.
     run.batches.start_at(progress.epoch, progress.batches_done)
     batches = iter(run.loader)
-    while progress.step < run.last_step:
+    while progress.step < run.last_step and run.stop_reason is None:
         for hook in hooks:
             hook.before_epoch(run)
-        while progress.step < run.last_step and not run.end_of_epoch:
+        while progress.step < run.last_step and not run.end_of_epoch and not run.stop_reason:
             for hook in hooks:
                 hook.before_step(run)
             micro_batches = [
@@ -164,7 +197,8 @@ def run_loop(run: Run, hooks: list[Hook], step_fn: Callable | None = None) -> No
             progress.step += 1
             for hook in hooks:
                 hook.after_step(run, result)
-        # Collective hooks here: every rank leaves the epoch's loop at the same step.
+        # Collective hooks here: every rank leaves the epoch's loop at the same step (a stop
+        # too: every rank stops at the same step).
         for hook in hooks:
             hook.after_epoch(run)
         if run.end_of_epoch:
