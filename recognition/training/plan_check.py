@@ -61,16 +61,18 @@ def measure_rank(
             with record_function(f"plan_check_step_{step}"):
                 parts.run_step(micro_batches, cfg.optim.grad_clip)
             del micro_batches
-    return _peak_of(prof, f"plan_check_step_{steps - 1}", granularity)
+    return peak_of(prof, f"plan_check_step_{steps - 1}", granularity)
 
 
 def _images_format(memory_format: torch.memory_format) -> torch.memory_format:
     return torch.contiguous_format if memory_format == torch.preserve_format else memory_format
 
 
-def _peak_of(prof: profile, marker: str, granularity: int) -> int:
-    """The allocator's peak (bytes live) between the start and end of the `marker` range,
-    each allocation (and its free) rounded up to a multiple of `granularity`.
+def peak_of(prof: profile, marker: str, granularity: int = 1) -> int:
+    """The allocator's peak (bytes live) between the start and end of the `marker` range
+    (a `record_function` of a profile with profile_memory=True), counting everything
+    allocated since the profile started, each allocation (and its free) rounded up to a
+    multiple of `granularity`.
 
     Leaves out the copies `aten::flatten_dense_tensors` makes for a coalesced broadcast
     (DDP's initial one) whose free the profiler did not see: gloo drops the last reference
