@@ -122,6 +122,12 @@ def run_case(case: Case, timeout_s: float) -> dict:
             for other in procs:
                 other.kill()
             return {**asdict(case), "error": "; ".join(errors)}
+    return merge_ranks(case, ranks)
+
+
+def merge_ranks(case: Case, ranks: list[dict]) -> dict:
+    """The case's result from its ranks' measurements (`head_worker.run_rank`): a step
+    takes as long as its slowest rank; memory per rank, the largest and the smallest."""
     peaks = [r["peak_bytes"] for r in ranks]
     widest = max(ranks, key=lambda r: r["num_rows"])  # the rank whose size 'useful' counts
     extras = [r["peak_bytes"] - r["floor_bytes"] for r in ranks]

@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from helpers import REPO, child_env
@@ -341,3 +342,289 @@ def test_a_failed_test_keeps_its_reason_however_long_its_id(tmp_path):
     [test] = gpu_sections.parse_pytest(done.stdout)
     assert test["outcome"] == "FAILED"
     assert test["reason"] == "assert (1 + 1) == 3"
+
+
+# ---- the rates, from a fake clock with known step times ------------------------------------
+
+
+class FakeClock:
+    """`time.perf_counter` of a benchmark whose timed work takes known durations.
+
+    `spend()` moves it on by the next of `durations` (a wrapped step calls it after the
+    real step). With `paired=True` every second reading moves it on instead: for code that
+    reads the clock before and after each piece of work it times, and at no other time.
+    Running out of durations raises: the benchmark timed more than the test expects."""
+
+    def __init__(self, durations: list[float], paired: bool = False) -> None:
+        self.durations, self.paired = list(durations), paired
+        self.now, self.reads = 1000.0, 0
+
+    def spend(self) -> None:
+        self.now += self.durations.pop(0)
+
+    def __call__(self) -> float:
+        self.reads += 1
+        if self.paired and self.reads % 2 == 0:
+            self.spend()
+        return self.now
+
+
+def smoke_throughput(tmp_path: Path, device: str = "cpu"):
+    """The smoke's throughput section on this CPU, its plan, overrides and eager config."""
+    from recognition.config import load_config
+
+    run = gpu_sections.SectionRun("throughput", True, {"gpus": 0, "cpus": 2},
+                                  time.monotonic() + 600, tmp_path / "rows.json",
+                                  scratch=tmp_path)  # fmt: skip
+    plan = gpu_sections.throughput_plan(run)
+    base = [*plan.overrides, f"train.device={device}", "eval.targets=[]", "eval.at_end=false"]
+    return run, plan, base, load_config(plan.config, [*base, "train.compile=false"])
+
+
+def step_flops_closed_form(cfg, num_classes: int) -> int:
+    """FLOPs of one training step as torch's counter counts them (matmuls, convolutions),
+    from the layers' shapes: each convolution and linear layer of the backbone 2 x MACs
+    forward and twice that backward (weight and input gradients; the first convolution's
+    input, the images, needs none), the head's logits 2 N D C forward and 4 N D C backward.
+    (The counter also sees the head's row-wise dot products, 2 C D: a few parts in 1e6.)"""
+    import torch
+    from torch import nn
+
+    from recognition.models import backbone_from_config
+
+    backbone = backbone_from_config(cfg.model, cfg.data.image_hw)
+    forward: dict[nn.Module, int] = {}
+
+    def count(module, inputs, output) -> None:
+        if isinstance(module, nn.Conv2d):
+            kh, kw = module.kernel_size
+            macs = output.numel() * module.in_channels // module.groups * kh * kw
+        else:
+            macs = output.numel() * module.in_features
+        forward[module] = 2 * macs
+
+    layers = [m for m in backbone.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    hooks = [m.register_forward_hook(count) for m in layers]
+    batch = cfg.train.batch_size
+    with torch.no_grad():
+        backbone(torch.zeros(batch, 3, *cfg.data.image_hw))
+    for hook in hooks:
+        hook.remove()
+    backbone_flops = 3 * sum(forward.values()) - forward[layers[0]]
+    return backbone_flops + 6 * batch * cfg.model.embedding_size * num_classes
+
+
+def test_throughput_rows_follow_the_step_times(monkeypatch, tmp_path):
+    """The throughput section on this CPU with its steps timed by a fake clock: one
+    warm-up step of 5 s, then 0.1, 0.4 and 0.13 s (median 0.13, mean 0.21), a matmul
+    rate of 0.05 TFLOP/s and an end-to-end run of 32 images/s. Images/s is the batch over
+    the median, TFLOP/s the step's FLOPs (from the layers' shapes) over it, % of mm that
+    over the matmul's rate, x model the end-to-end rate over the model's."""
+    from benchmarks import train_throughput
+
+    run, plan, _, cfg = smoke_throughput(tmp_path)
+    assert (plan.warmup, plan.steps, cfg.train.batch_size) == (1, 3, 8)
+    clock = FakeClock([5.0, 0.1, 0.4, 0.13])
+    real_step = train_throughput.train_step
+
+    def step(*args, **kwargs):
+        real_step(*args, **kwargs)
+        clock.spend()
+
+    def end_to_end(config, folder, overrides, steps, out):
+        return {"images_per_s": 32.0, "gpu_memory_mib": None, "wall_s": 7.0}
+
+    monkeypatch.setattr(train_throughput, "train_step", step)
+    monkeypatch.setattr(train_throughput, "time", SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(train_throughput, "matmul_tflops", lambda device, dtype: 0.05)
+    monkeypatch.setattr(train_throughput, "measure_end_to_end", end_to_end)
+    gpu_sections.section_throughput(run)
+    assert clock.durations == []  # every step was timed
+    rows = {row["what"]: row for row in run.rows}
+    model = rows["model only, eager"]["data"]
+    flops = step_flops_closed_form(cfg, plan.identities)
+    assert model["step_ms"] == pytest.approx(130.0)
+    assert model["images_per_s"] == pytest.approx(8 / 0.13)
+    assert model["warmup_s"] == pytest.approx(5.0)
+    assert model["gflop_per_image"] == pytest.approx(flops / 8 / 1e9, rel=1e-3)
+    assert model["tflops"] == pytest.approx(flops / 0.13 / 1e12, rel=1e-3)
+    percent = 100 * flops / 0.13 / 1e12 / 0.05
+    assert model["percent_of_matmul"] == pytest.approx(percent, rel=1e-3)
+    assert rows["model only, eager"]["result"].startswith(f"{8 / 0.13:,.0f} images/s, ")
+    assert f"({percent:.0f} % of mm)" in rows["model only, eager"]["result"]
+    e2e = rows["end to end, data.decode=cpu"]
+    assert e2e["data"]["x_model"] == pytest.approx(32.0 / (8 / 0.13))
+    assert e2e["result"].startswith(f"32 images/s, x{32.0 / (8 / 0.13):.3f} model only")
+
+
+def test_the_matmul_rate_is_its_median_time_after_two(monkeypatch):
+    """Two untimed matmuls, then the median of the rest: 2 n^3 over it (n = 1024 on a CPU)."""
+    import torch
+
+    from benchmarks import train_throughput
+
+    clock = FakeClock([9.0, 9.0, 0.5, 0.2, 0.3, 0.25], paired=True)
+    monkeypatch.setattr(train_throughput, "time", SimpleNamespace(perf_counter=clock))
+    rate = train_throughput.matmul_tflops(torch.device("cpu"), torch.float32, repeats=4)
+    assert clock.durations == []
+    assert rate == pytest.approx(2 * 1024**3 / 0.275 / 1e12)
+
+
+def test_the_head_rates_follow_the_step_times(monkeypatch, tmp_path):
+    """A rank of benchmarks/head.py (real steps of a 256-class head, N 8, D 16) timed by a
+    fake clock: steps of 0.3, 0.1, 0.2, 0.7, 0.15 s (median 0.2), then the plain matmul in
+    0.5, 0.25, 0.4 s (its best, 0.25, is taken). A case's step is its slowest rank's, and
+    the rates come from it."""
+    from benchmarks import head, head_worker
+    from benchmarks.head_methods import Case
+
+    case = Case("sharded", 1, 256, 8, 16, None, 5, 1, 1, "cpu", None)
+    clock = FakeClock([0.3, 0.1, 0.2, 0.7, 0.15, 0.5, 0.25, 0.4], paired=True)
+    monkeypatch.setattr(head_worker, "time", SimpleNamespace(perf_counter=clock))
+    # This process's allocator and peak RSS are left alone (they are another test's too).
+    monkeypatch.setattr(head_worker, "set_mmap_threshold", lambda num_bytes: False)
+    monkeypatch.setattr(head_worker, "reset_peak_rss", lambda: False)
+    rank = head_worker.run_rank(case, 0, str(tmp_path / "rendezvous"))
+    assert clock.durations == []
+    assert rank["step_s"] == pytest.approx(0.2) and rank["num_rows"] == 256
+    assert rank["matmul_tflops"] == pytest.approx(2 * 8 * 16 * 256 / 0.25 / 1e12)
+
+    # Two ranks: the second holds fewer rows and is slower.
+    two = Case(**{**vars(case), "world_size": 2, "num_classes": 384})
+    other = {**rank, "rank": 1, "step_s": 0.35, "num_rows": 128, "matmul_tflops": 1.0}
+    monkeypatch.setattr(head, "run_case", lambda c, timeout_s: head.merge_ranks(c, [rank, other]))
+    result = head._measure(two, 60.0)
+    assert result["step_s"] == pytest.approx(0.35)
+    assert result["classes_per_rank_max"] == 256
+    assert result["matmul_tflops"] == rank["matmul_tflops"]  # the widest rank's
+    useful = 6 * 8 * 16 * 256 / 0.35 / 1e12
+    assert result["useful_tflops"] == pytest.approx(useful)
+    assert result["percent_of_matmul"] == pytest.approx(100 * useful / rank["matmul_tflops"])
+    assert result["gflops"] == pytest.approx(6 * 8 * 384 * 16 / 0.35 / 1e9)
+
+
+def test_the_head_rows_compare_with_the_torch_path(monkeypatch, tmp_path):
+    """The head section's rows from known step times (triton 20 ms, torch 80 ms, fused
+    update 10 ms, fused backward 40 ms) and a matmul of 2 GFLOP/s: ms per step, useful
+    TFLOP/s (6 N D C over the step), % of mm, and the speed against torch (x4, x8, x2),
+    whether the row was measured before the torch path or after it."""
+    from benchmarks import head
+
+    step_s = {("triton", False, "gemm"): 0.02, ("torch", False, "gemm"): 0.08,
+              ("triton", True, "gemm"): 0.01, ("triton", False, "fused"): 0.04}  # fmt: skip
+
+    def run_case(case, timeout_s):
+        return {**vars(case), "step_s": step_s[case.kernel, case.fused_update, case.backward],
+                "matmul_tflops": 0.002, "peak_bytes_max": 2**30,
+                "classes_per_rank_max": case.num_classes}  # fmt: skip
+
+    monkeypatch.setattr(head, "run_case", run_case)
+    run = gpu_sections.SectionRun("head", True, {"gpus": 0}, time.monotonic() + 600,
+                                  tmp_path / "rows.json")  # fmt: skip
+    gpu_sections.section_head(run)
+    rows = {row["what"]: row for row in run.rows}
+    plan = gpu_sections.head_plan(run)
+    speed_up = {"triton": 4.0, "torch": None, "triton + fused update": 8.0,
+                "triton, fused backward": 2.0}  # fmt: skip
+    for label, _, fused, backward in gpu_sections.HEAD_VARIANTS:
+        row, x_torch = rows[f"{label}, 512 classes"], speed_up[label]
+        seconds = step_s["torch" if label == "torch" else "triton", fused, backward]
+        useful = 6 * plan.batch * plan.dim * 512 / seconds / 1e12
+        assert row["data"]["ms_per_step"] == pytest.approx(1e3 * seconds), label
+        assert row["data"]["useful_tflops"] == pytest.approx(useful), label
+        assert row["data"]["percent_of_matmul"] == pytest.approx(100 * useful / 0.002), label
+        assert row["result"].startswith(f"{1e3 * seconds:,.1f} ms/step, ")
+        if x_torch is None:
+            assert row["data"]["x_torch"] is None and "torch path" not in row["result"]
+        else:
+            assert row["data"]["x_torch"] == pytest.approx(x_torch), label
+            assert row["result"].endswith(f"x{x_torch:.2f} the torch path's speed"), label
+
+
+def test_a_scaling_run_reports_the_median_of_its_windows_after_the_first(monkeypatch, tmp_path):
+    """benchmarks/train_scaling.py's run_one (the multi-GPU section's, and the end-to-end
+    rows'): the logged windows' samples/s after the first (500: the loader's start), median
+    30 where their mean is 25, and the wall time by the clock (12.5 s)."""
+    from benchmarks import train_scaling
+
+    windows = [500.0, 10.0, 30.0, 35.0]
+
+    def train(command, **kwargs):
+        out = Path(next(a for a in command if a.startswith("output_dir=")).split("=", 1)[1])
+        out.mkdir(parents=True)
+        records = [{"step": 2 * (i + 1), "samples_per_sec": rate, "loss": 1.0,
+                    "peak_memory_mb_max": 9.0, "peak_memory_mb_min": 8.0}
+                   for i, rate in enumerate(windows)]  # fmt: skip
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    clock = FakeClock([12.5], paired=True)
+    monkeypatch.setattr(train_scaling.subprocess, "run", train)
+    monkeypatch.setattr(train_scaling, "time", SimpleNamespace(perf_counter=clock))
+    result = train_scaling.run_one(2, "default", 8, 2, [], tmp_path / "run")
+    assert result["samples_per_sec_median"] == 30.0
+    assert result["samples_per_sec_windows"] == windows[1:]
+    assert result["wall_s"] == pytest.approx(12.5) and result["steps"] == 8
+
+
+def test_the_training_row_reports_the_median_rate_after_the_first_window(monkeypatch, tmp_path):
+    """The training section's samples/s: the median of the logged windows after the first."""
+    windows = [500.0, 10.0, 30.0, 35.0]
+
+    def train(command, log_path, timeout_s, env=None):
+        out = Path(next(a for a in command if a.startswith("output_dir=")).split("=", 1)[1])
+        out.mkdir(parents=True)
+        records = [{"step": 2 * (i + 1), "samples_per_sec": rate, "loss": 1.0}
+                   for i, rate in enumerate(windows)]  # fmt: skip
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (out / "eval.json").write_text(json.dumps({"val": {"accuracy": 0.9, "auc": 0.95}}))
+        (out / "train.log").write_text("head.kernel=auto: torch (on cpu)\n")
+        return 0, False
+
+    monkeypatch.setattr(gpu_sections, "run_command", train)
+    run = gpu_sections.SectionRun("training", True, {"gpus": 0}, time.monotonic() + 600,
+                                  tmp_path / "rows.json", scratch=tmp_path)  # fmt: skip
+    gpu_sections.section_training(run)
+    row = run.rows[0]
+    assert row["data"]["samples_per_sec"] == 30.0 and row["data"]["steps"] == 8
+    assert ", 30 samples/s, " in row["result"]
+
+
+def test_the_memory_plan_row_against_a_real_step(tmp_path):
+    """The memory-plan row against the model-only step measured on real tensors: the CPU
+    allocator's peak over the last timed step of `measure_model` (torch.profiler's memory
+    events), each allocation in 512-byte blocks as the CUDA caching allocator counts them,
+    standing for what max_memory_allocated reads on a GPU. The step holds what the plan
+    counts and the CPU convolution backward's own temporaries (2 % here, as cuDNN's
+    workspaces on a GPU): the row's ratio is measured over planned, 1 to 1.03."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from benchmarks import train_throughput
+    from recognition.training.plan_check import peak_of
+
+    _, plan, _, cfg = smoke_throughput(tmp_path)
+    real_step, steps = train_throughput.train_step, []
+
+    def step(*args, **kwargs):
+        with record_function(f"step_{len(steps)}"):
+            steps.append(real_step(*args, **kwargs))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train_throughput, "train_step", step)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            train_throughput.measure_model(cfg, torch.device("cpu"), plan.identities,
+                                           plan.steps, plan.warmup)  # fmt: skip
+    measured = peak_of(prof, f"step_{len(steps) - 1}", granularity=512)
+
+    run, _ = planned_run(tmp_path)
+    base = [*plan.overrides, "train.device=cuda", "eval.targets=[]", "eval.at_end=false"]
+    gpu_sections._plan_row(run, plan, base, {"steady_memory_mib": measured / 2**20})
+    [row] = run.rows
+    data = row["data"]
+    assert data["measured_bytes"] == pytest.approx(measured, abs=1)
+    assert data["ratio"] == pytest.approx(measured / data["planned_bytes"])
+    assert 1.0 <= data["ratio"] <= 1.03, data
+    assert row["met"] is True
+    assert row["result"] == (f"planned {data['planned_bytes'] / 2**30:.2f} GiB, measured "
+                             f"{measured / 2**30:.2f} GiB, x{data['ratio']:.3f}")  # fmt: skip

@@ -126,9 +126,12 @@ class RowSampler:
             # A fake mask (the run planner's) has no value to read: it plans the swap.
             if mask is None or (not is_fake(mask) and bool(mask.all())):
                 return
-            rows = mask.nonzero().squeeze(1)
-            # The planner's fake count is bounded by this (the real one always is).
+            rows = mask.nonzero()
+            # The planner's fake count is bounded by this (the real one always is), checked
+            # before any other op: the planner counts a size that depends on data at its
+            # bound at the next op, which would otherwise be every row of the mask.
             torch._check(rows.shape[0] <= self.most_rows_to_update)
+            rows = rows.squeeze(1)
             state = opt.state[target]
             full_state = {
                 name: value

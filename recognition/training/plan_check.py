@@ -6,12 +6,15 @@ peak of the bytes the CPU allocator held during the last step, read from torch.p
 memory events (every allocation and free of the CPU allocator while profiling, in order).
 That count knows nothing of dispatch: it sees what the allocator was asked for, the
 kernels' own buffers included. The test and `benchmarks/plan.py` compare it with
-`plan_rank(..., granularity=1)`.
+`plan_rank(..., granularity=1)`; with `granularity=512` each allocation counts as the CUDA
+caching allocator's blocks would (its bytes rounded up to a multiple of 512), which is
+what `plan_rank`'s default (`train.py --plan`, `train.memory_check`) plans.
 """
 
 from __future__ import annotations
 
 import gc
+import math
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -23,11 +26,16 @@ from recognition.training.build import build_model
 
 
 def measure_rank(
-    cfg: ExperimentConfig, num_classes: int, dist_info: DistInfo, *, steps: int = 2
+    cfg: ExperimentConfig,
+    num_classes: int,
+    dist_info: DistInfo,
+    *,
+    steps: int = 2,
+    granularity: int = 1,
 ) -> int:
     """Bytes: the CPU allocator's peak over the last of `steps` training steps of this rank
     (collective when a process group exists), counting everything allocated since the
-    parts were built."""
+    parts were built, each allocation rounded up to a multiple of `granularity`."""
     torch.manual_seed(cfg.seed + dist_info.rank)
     # What earlier work left in reference cycles is freed now, not by a collection in the
     # middle of the profile: freeing a block allocated under an earlier profile would count
@@ -53,15 +61,18 @@ def measure_rank(
             with record_function(f"plan_check_step_{step}"):
                 parts.run_step(micro_batches, cfg.optim.grad_clip)
             del micro_batches
-    return _peak_of(prof, f"plan_check_step_{steps - 1}")
+    return peak_of(prof, f"plan_check_step_{steps - 1}", granularity)
 
 
 def _images_format(memory_format: torch.memory_format) -> torch.memory_format:
     return torch.contiguous_format if memory_format == torch.preserve_format else memory_format
 
 
-def _peak_of(prof: profile, marker: str) -> int:
-    """The allocator's peak (bytes live) between the start and end of the `marker` range.
+def peak_of(prof: profile, marker: str, granularity: int = 1) -> int:
+    """The allocator's peak (bytes live) between the start and end of the `marker` range
+    (a `record_function` of a profile with profile_memory=True), counting everything
+    allocated since the profile started, each allocation (and its free) rounded up to a
+    multiple of `granularity`.
 
     Leaves out the copies `aten::flatten_dense_tensors` makes for a coalesced broadcast
     (DDP's initial one) whose free the profiler did not see: gloo drops the last reference
@@ -79,7 +90,8 @@ def _peak_of(prof: profile, marker: str) -> int:
                 span = node
             if node.name == "[memory]":
                 fields = node.extra_fields
-                memory.append((node.start_time_ns, fields.ptr, fields.alloc_size, in_flatten))
+                nbytes = _blocks(fields.alloc_size, granularity)
+                memory.append((node.start_time_ns, fields.ptr, nbytes, in_flatten))
             walk(node.children, in_flatten or node.name == "aten::flatten_dense_tensors")
 
     walk(tree, False)
@@ -97,6 +109,11 @@ def _peak_of(prof: profile, marker: str) -> int:
         if peak is not None:
             peak = max(peak, live)
     return live if peak is None else peak
+
+
+def _blocks(nbytes: int, granularity: int) -> int:
+    """`nbytes` (negative: a free) in whole blocks of `granularity` bytes."""
+    return int(math.copysign(math.ceil(abs(nbytes) / granularity) * granularity, nbytes))
 
 
 def _unfreed_copies(memory: list[tuple[int, int, int, bool]]) -> set[int]:
