@@ -120,8 +120,8 @@ class Run:
     stop_reason: str | None = None
     """Why the run ends before `last_step` (a signal's name, the time limit), set by the
     StopHook at the step every rank stops at; None while it goes on."""
-    save_seconds: list[float] = field(default_factory=list)
-    """How long each checkpoint of this run took to save (the time limit's reserve)."""
+    longest_save_s: float = 0.0
+    """The longest a checkpoint of this run took to save so far (the time limit's reserve)."""
 
     @property
     def run_dir(self) -> Path:

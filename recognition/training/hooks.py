@@ -282,7 +282,7 @@ def peak_memory_mb(device: torch.device) -> float:
 class Checkpointer(Hook):
     """Saves the run's parts every `train.checkpoint_every` steps (null: at the end of each
     epoch), at the last step and at the step a stop ends the run at (collective: every rank
-    writes its own class rows); times each save (`run.save_seconds`)."""
+    writes its own class rows); times each save (`run.longest_save_s`)."""
 
     def after_step(self, run: Run, result: StepResult) -> None:
         # A step skipped for a non-finite loss changed no weight: what is saved is intact.
@@ -311,7 +311,7 @@ class Checkpointer(Hook):
             run.checkpoint_parts(),
             keep=run.cfg.train.keep_checkpoints,
         )
-        run.save_seconds.append(time.perf_counter() - start)
+        run.longest_save_s = max(run.longest_save_s, time.perf_counter() - start)
 
 
 class BadImageReport(Hook):

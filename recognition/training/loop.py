@@ -108,9 +108,8 @@ def _train(cfg: ExperimentConfig) -> Path:
 
 def stopped_run(run: Run) -> RunStopped:
     """After a stop (its checkpoint saved): the line that says so, logged, and with
-    `train.requeue` on a Slurm job rank 0's requeue; returns the RunStopped to raise once the
-    run is torn down. Every rank waits for the checkpoint to be whole first."""
-    distributed.barrier()
+    `train.requeue` on a Slurm job rank 0's requeue (the checkpoint is whole: its save ends
+    when every rank is done); returns the RunStopped to raise once the run is torn down."""
     step = run.progress.step
     message = (
         f"stopped by {run.stop_reason} at step {step}; checkpoint "

@@ -108,15 +108,13 @@ def requeue_slurm_job() -> str:
 
 class SignalCatcher:
     """While installed (`installed()`), the signals named take note of themselves instead of
-    their default action: `received` is the first one's name, `count` how many came."""
+    their default action: `received` is the first one's name."""
 
     def __init__(self, names: Sequence[str]) -> None:
         self.signals = [getattr(signal, name) for name in names]
         self.received: str | None = None
-        self.count = 0
 
     def _note(self, number: int, frame: object) -> None:
-        self.count += 1
         name = signal.Signals(number).name
         if self.received is None:
             self.received = name
@@ -191,7 +189,7 @@ class StopHook(Hook):
         if self.catcher.received is not None:
             return int(getattr(signal, self.catcher.received))
         if self.deadline is not None:
-            save = 2 * max(run.save_seconds, default=SAVE_RESERVE_S / 2)
+            save = 2 * (run.longest_save_s or SAVE_RESERVE_S / 2)
             # Until the next check, and the one step more that a stop may take.
             if now_s + save + (steps_to_next + 1) * self.longest_step >= self.deadline:
                 return TIME_LIMIT_REASON
