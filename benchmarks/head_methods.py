@@ -12,7 +12,7 @@ reads their results, never imports it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -61,16 +61,6 @@ def build_step(case: Case, rank: int, device: torch.device) -> tuple[Step, int]:
     if case.method not in builders:
         raise ValueError(f"unknown method {case.method!r}")
     return builders[case.method](case, rank, _LocalBatch.draw(case, rank, device))
-
-
-def use_backward(name: str) -> None:
-    """The Triton head's backward in this process ("gemm", the default, or "fused"): the
-    kernels' default tiles with that backward (a case runs in a process of its own)."""
-    from recognition.heads.kernels import margin_softmax_triton as kernels
-
-    table = getattr(use_backward, "table", kernels.default_tiles)
-    use_backward.table = table  # type: ignore[attr-defined]
-    kernels.default_tiles = lambda *args: replace(table(*args), backward=name)
 
 
 # ---------------------------------------------------------------- what the methods share
@@ -139,8 +129,9 @@ def _sharded(case: Case, rank: int, local: _LocalBatch) -> tuple[Step, int]:
     """ShardedMarginSoftmax on this rank: the whole shard at once (`sharded`) or
     --chunk-size classes at a time (`sharded-chunked`)."""
     from recognition.heads import ShardedMarginSoftmax
+    from recognition.heads.kernels import margin_softmax_triton as kernels
 
-    use_backward(case.backward)
+    kernels.use_backward(case.backward)  # a case runs in a process of its own
     chunk = case.chunk_size if case.method == "sharded-chunked" else None
     # Made and drawn on the device: 10M classes drawn on one CPU thread and copied over
     # would take about a minute per case (and the largest-class search, every try).

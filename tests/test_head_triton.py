@@ -40,6 +40,7 @@ from recognition.config import ConfigError, config_from_dict  # noqa: E402
 from recognition.heads import ShardedMarginSoftmax, triton_stats  # noqa: E402
 from recognition.heads import margin_softmax as head_module  # noqa: E402
 from recognition.heads.kernels import forward, fused_backward, gemm_backward  # noqa: E402
+from recognition.heads.kernels import tiles as tiles_module  # noqa: E402
 from recognition.heads.margins import ArcFace, CosFace  # noqa: E402
 
 EMBEDDING_SIZE = 24  # not a power of two: the kernels pad D to 32
@@ -51,10 +52,11 @@ def use_backward(monkeypatch, name: str, tiles=None) -> None:
     function as default_tiles) or the interpreter's, the forward and the GEMM backward in
     chunks of one tile of classes, so that every test crosses chunks."""
     kernels = triton_stats.triton_kernels()
-    table = tiles or kernels.default_tiles
-    monkeypatch.setattr(
-        kernels, "default_tiles", lambda *args: dataclasses.replace(table(*args), backward=name)
-    )
+    monkeypatch.setattr(tiles_module, "_BACKWARD", [name])
+    if tiles is not None:
+        monkeypatch.setattr(
+            kernels, "default_tiles", lambda *args: dataclasses.replace(tiles(*args), backward=name)
+        )
     monkeypatch.setattr(gemm_backward, "CHUNK_LOGITS", 1)
     monkeypatch.setattr(forward, "CHUNK_ROW_VALUES", 1)
 
@@ -207,6 +209,8 @@ def test_tile_config_rejects_what_the_compiler_would_refuse():
     kernels = triton_stats.triton_kernels()
     good = kernels.KernelTiles(block_c=32, block_n=64, block_d=64, num_warps=8, num_stages=2)
     kernels.TileConfig(good, good, good)
+    with pytest.raises(ValueError, match="use_backward: 'fast' is not one of"):
+        kernels.use_backward("fast")
     bad = [
         ({"block_c": 48}, "TileConfig.grad_weight.block_c: must be a power of two >= 16"),
         ({"block_d": 8}, "TileConfig.grad_weight.block_d: must be a power of two >= 16"),

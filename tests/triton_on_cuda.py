@@ -34,7 +34,6 @@ import logging
 import os
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the deterministic check
@@ -242,9 +241,7 @@ def use_backward(name: str) -> None:
     kernels = importlib.import_module("recognition.heads.kernels.margin_softmax_triton")
     from recognition.heads.kernels import forward, gemm_backward
 
-    table = getattr(use_backward, "table", kernels.default_tiles)
-    use_backward.table = table
-    kernels.default_tiles = lambda *args: replace(table(*args), backward=name)
+    kernels.use_backward(name)
     gemm_backward.CHUNK_LOGITS = 1
     forward.CHUNK_ROW_VALUES = 1
 

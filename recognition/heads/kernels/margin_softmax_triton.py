@@ -45,12 +45,13 @@ from recognition.heads.kernels.tiles import (
     gpu_tiles,
     input_precision,
     padded_dim,
+    use_backward,
 )
 
 __all__ = [
     "BACKWARDS", "INTERPRET", "INTERPRETER_TILES", "OPERAND_KINDS", "KernelTiles", "SGDUpdate",
     "TileConfig", "class_stats", "class_stats_backward", "default_tiles", "gpu_tiles",
-    "input_precision", "inverse_norms", "padded_dim",
+    "input_precision", "inverse_norms", "padded_dim", "use_backward",
 ]  # fmt: skip
 
 

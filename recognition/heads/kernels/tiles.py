@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -222,16 +222,31 @@ def gpu_tiles(dim: int, num_sms: int, operands: str = "half") -> TileConfig:
     )
 
 
+# The backward `default_tiles` names: "gemm"; benchmarks and tests set "fused" to compare
+# (`use_backward`).
+_BACKWARD = ["gemm"]
+
+
+def use_backward(name: str) -> None:
+    """Make `default_tiles` name backward `name` ("gemm" or "fused") in this process."""
+    if name not in BACKWARDS:
+        raise ValueError(f"use_backward: {name!r} is not one of {BACKWARDS}")
+    _BACKWARD[0] = name
+
+
 def default_tiles(device: torch.device, dim: int, matmul_dtype: torch.dtype) -> TileConfig:
-    """Tiles for embeddings of `dim` on `device`: the interpreter's on the CPU."""
+    """Tiles for embeddings of `dim` on `device`: the interpreter's on the CPU; with the
+    backward `use_backward` named."""
     if device.type != "cuda":
-        return INTERPRETER_TILES
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if matmul_dtype != torch.float32:
-        operands = "half"
+        table = INTERPRETER_TILES
     else:
-        operands = "tf32" if input_precision(matmul_dtype, device) == "tf32" else "fp32"
-    return gpu_tiles(dim, num_sms, operands)
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if matmul_dtype != torch.float32:
+            operands = "half"
+        else:
+            operands = "tf32" if input_precision(matmul_dtype, device) == "tf32" else "fp32"
+        table = gpu_tiles(dim, num_sms, operands)
+    return table if table.backward == _BACKWARD[0] else replace(table, backward=_BACKWARD[0])
 
 
 def input_precision(matmul_dtype: torch.dtype, device: torch.device) -> str:
