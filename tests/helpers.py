@@ -127,3 +127,21 @@ def start_rank(rank: int, world_size: int, port: int, args: list[str], cwd: Path
         [sys.executable, str(REPO / "train.py"), *args],
         cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+
+def wait_until(found, processes: list, timeout: float, what: str):
+    """Poll `found()` until it returns something other than None (returned), while every
+    process of `processes` runs; kill them all and fail naming `what` otherwise."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = found()
+        if result is not None:
+            return result
+        if any(p.poll() is not None for p in processes):
+            break
+        time.sleep(0.05)
+    for p in processes:
+        p.kill()
+    raise AssertionError(f"{what} after {timeout} s")

@@ -39,6 +39,7 @@ from helpers import (
     start_rank,
     tiny_run_overrides,
     torchrun,
+    wait_until,
 )
 from torch import nn
 
@@ -386,17 +387,9 @@ def test_two_nodes_with_c10d_rendezvous(image_folder, tmp_path):
 
 
 def wait_for_checkpoint(run_dir: Path, processes: list[subprocess.Popen], timeout: float) -> Path:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = ckpt.latest_checkpoint(run_dir)
-        if found is not None:
-            return found
-        if any(p.poll() is not None for p in processes):
-            break
-        time.sleep(0.05)
-    for p in processes:
-        p.kill()
-    raise AssertionError(f"no checkpoint in {run_dir} after {timeout} s")
+    return wait_until(
+        lambda: ckpt.latest_checkpoint(run_dir), processes, timeout, f"no checkpoint in {run_dir}"
+    )
 
 
 def test_killed_rank_stops_the_others_and_the_checkpoint_resumes(image_folder, tmp_path):

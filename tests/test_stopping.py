@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, child_env, free_port, torchrun
+from helpers import REPO, child_env, free_port, torchrun, wait_until
 from test_distributed_training import children, environ
 from test_periodic_eval import config_overrides, data  # noqa: F401  (a fixture)
 
@@ -216,17 +216,14 @@ def test_train_py_exits_75_with_one_line_and_workers_ride_out_the_signal(image_f
 
 
 def wait_for_steps(run_dir: Path, steps: int, processes: list, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
     metrics = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
-            return
-        if any(p.poll() is not None for p in processes):
-            break
-        time.sleep(0.05)
-    for p in processes:
-        p.kill()
-    raise AssertionError(f"{run_dir}: not {steps} steps logged after {timeout} s")
+
+    def logged() -> bool | None:
+        return (
+            True if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps else None
+        )
+
+    wait_until(logged, processes, timeout, f"{run_dir}: not {steps} steps logged")
 
 
 @pytest.mark.parametrize("target", ["launcher", "one_rank"])
