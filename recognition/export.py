@@ -1,6 +1,7 @@
-"""Export a trained backbone to ONNX.
+"""Export a trained backbone to ONNX, or as the state dict arcface_torch loads.
 
   python -m recognition.export --checkpoint runs/x/backbone.pt --onnx model.onnx
+  python -m recognition.export --checkpoint runs/x/backbone.pt --arcface-torch backbone.pth
 
 The graph takes ``images`` (B, 3, H, W) float32 at the checkpoint's input size (or
 ``--image-size N`` / ``HxW``), normalised like training inputs
@@ -8,6 +9,12 @@ The graph takes ``images`` (B, 3, H, W) float32 at the checkpoint's input size (
 the mirrored image's embedding if wanted, in the application). The batch dimension is
 dynamic. Needs the ``onnx`` and ``onnxscript`` packages (torch's exporter); with
 ``onnxruntime`` installed the export is checked against PyTorch on a random batch.
+
+``--arcface-torch`` (IResNet backbones only) writes the plain fp32 state dict that
+arcface_torch's ``get_model("r50", num_features=D).load_state_dict`` takes (r18 ... r200 by
+the depth): the two IResNet layouts are the same. arcface_torch builds width-1 models for
+112x112 faces only; a narrower or other-sized model is written too (with a warning), and
+loads here (``evaluate.py --checkpoint``, ``train.init_backbone``) but not into get_model.
 """
 
 from __future__ import annotations
@@ -101,6 +108,39 @@ def check_onnx(
     return float(np.abs(onnx_out - torch_out).max())
 
 
+def export_arcface_torch(backbone: nn.Module, path: Path) -> None:
+    """Write the IResNet ``backbone``'s fp32 state dict to ``path`` (atomically), as
+    arcface_torch's ``get_model(name).load_state_dict`` takes it; warn when its width or
+    input size is one arcface_torch does not build. Raises ValueError for another backbone."""
+    from recognition.checkpoint import atomic_save
+    from recognition.checkpoint.foreign import arcface_torch_state
+    from recognition.models.iresnet import IRESNET_LAYERS, STEM_CHANNELS
+
+    state = arcface_torch_state(backbone)
+    atomic_save(state, path)
+    layers = tuple(len(getattr(backbone, f"layer{i}")) for i in range(1, 5))
+    # get_model calls iresnet50 "r50".
+    name = next(f"r{n.removeprefix('iresnet')}" for n, v in IRESNET_LAYERS.items() if v == layers)
+    log.info(
+        "wrote %s: get_model(%r, num_features=%d) loads it",
+        path,
+        name,
+        backbone.embedding_size,
+    )
+    stem = state["conv1.weight"].shape[0]
+    if stem != STEM_CHANNELS or backbone.image_size != (112, 112):
+        height, width = backbone.image_size
+        log.warning(
+            "%s: a model of %d stem channels for %dx%d inputs; arcface_torch builds %d for "
+            "112x112 only, so its get_model will not take this file (this project reads it)",
+            path,
+            stem,
+            height,
+            width,
+            STEM_CHANNELS,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -108,7 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--checkpoint", type=Path, required=True, help="backbone.pt or a checkpoint"
     )
-    parser.add_argument("--onnx", type=Path, required=True, help="the ONNX file to write")
+    out = parser.add_mutually_exclusive_group(required=True)
+    out.add_argument("--onnx", type=Path, help="the ONNX file to write")
+    out.add_argument(
+        "--arcface-torch",
+        type=Path,
+        metavar="OUT.pth",
+        help="write the IResNet's state dict as arcface_torch saves and loads it",
+    )
     parser.add_argument(
         "--image-size",
         metavar="N|HxW",
@@ -128,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.image_size is not None:
             image_size_arg = parse_image_size(args.image_size, "--image-size")
         backbone, image_size = load_backbone(args.checkpoint, torch.device("cpu"))
+        if args.arcface_torch is not None:
+            export_arcface_torch(backbone, args.arcface_torch)
+            return 0
         image_size = image_size_arg or image_size
         export_onnx(backbone, args.onnx, image_size, opset=args.opset)
         height, width = image_size_pair(image_size)
@@ -139,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                 log.warning("onnxruntime is not installed: the export was not checked")
             else:
                 log.info("onnxruntime vs PyTorch: max abs difference %.3g", diff)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

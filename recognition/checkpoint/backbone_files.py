@@ -6,12 +6,16 @@ backbone state dict):
 - a training checkpoint (a DCP directory): the backbone's entries and the run's config,
   with the O2 fp32 masters in place of half weights;
 - a backbone export (one torch file, `export_backbone`): {"format": BACKBONE_FORMAT,
-  "model", "image_size", "state_dict"}, fp32.
+  "model", "image_size", "state_dict"}, fp32;
+- a state dict from another tool: an arcface_torch IResNet or a torchvision ResNet-50
+  (`recognition.checkpoint.foreign`; a ResNet-50's model config dict holds
+  `"trunk_only": True` and its state dict only the trunk's `base.*` keys).
 `load_backbone` rebuilds the model from what a reader returns.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,9 +25,12 @@ import torch
 from torch import nn
 
 from recognition.checkpoint.files import atomic_save, load_file
+from recognition.checkpoint.foreign import TRUNK_ONLY, read_foreign
 from recognition.checkpoint.store import read_part
 from recognition.models import build_backbone
 from recognition.precision import master_weights
+
+log = logging.getLogger(__name__)
 
 BACKBONE_FORMAT = "recognition-backbone-v1"
 
@@ -57,7 +64,8 @@ def export_backbone(
 
 
 def load_backbone_file(path: Path) -> BackboneFile:
-    """Read a backbone export (a file) or a training checkpoint (a DCP directory).
+    """Read a backbone export or a foreign state dict (a file; see the module's docstring)
+    or a training checkpoint (a DCP directory).
 
     Returns (model config dict, input image size, backbone state dict); the size is an int
     (a square side, as every export before [H, W] sizes holds) or (H, W). From a training
@@ -72,10 +80,11 @@ def load_backbone_file(path: Path) -> BackboneFile:
 def load_backbone(
     path: str | os.PathLike, device: torch.device
 ) -> tuple[nn.Module, int | tuple[int, int]]:
-    """Rebuild a backbone from a backbone export or a training checkpoint.
+    """Rebuild a backbone from any file `load_backbone_file` reads.
 
     Returns the model in eval mode on `device` and the input size it was trained at (a
-    square side or (H, W)).
+    square side or (H, W)). A trunk-only file (a torchvision ResNet-50) gets a fresh BN
+    neck: in eval mode the identity, so the embeddings are the pooled 2048 trunk features.
     """
     model_cfg, image_size, state = load_backbone_file(Path(path))
     backbone = build_backbone(
@@ -85,10 +94,19 @@ def load_backbone(
         dropout=model_cfg.get("dropout", 0.0),
         image_size=image_size,
     )
+    trunk_only = bool(model_cfg.get(TRUNK_ONLY, False))
     try:
-        backbone.load_state_dict(state)
+        # A trunk-only file's reader checked every trunk key; the rest start as built.
+        missing, _ = backbone.load_state_dict(state, strict=not trunk_only)
     except RuntimeError as exc:
         raise ValueError(f"checkpoint {path}: weights do not fit the backbone: {exc}") from exc
+    if trunk_only:
+        log.info(
+            "checkpoint %s: a ResNet-50 trunk only; the BN neck starts fresh (%s), so the "
+            "embeddings are the pooled trunk features",
+            path,
+            ", ".join(sorted({k.rsplit(".", 1)[0] for k in missing})),
+        )
     return backbone.float().eval().to(device), image_size
 
 
@@ -110,11 +128,11 @@ def _from_training_checkpoint(path: Path) -> BackboneFile:
 
 
 def _from_file(path: Path) -> BackboneFile:
-    """A single file, told by what it holds: today only the backbone export is one."""
+    """A single file, told by what it holds: a backbone export, else a foreign state dict."""
     data = load_file(path)
-    if data.get("format") == BACKBONE_FORMAT:
+    if isinstance(data, dict) and data.get("format") == BACKBONE_FORMAT:
         return data["model"], _stored_image_size(data["image_size"], path), data["state_dict"]
-    raise ValueError(f"checkpoint {path}: neither a training checkpoint nor a backbone export")
+    return read_foreign(path, data)
 
 
 def _stored_image_size(value: Any, path: Path) -> int | tuple[int, int]:

@@ -46,8 +46,9 @@ def atomic_save(obj: Any, path: Path) -> None:
     fsync_dir(path.parent)
 
 
-def load_file(path: Path) -> dict[str, Any]:
-    """Load a single-file checkpoint (a backbone export) as plain tensors and containers."""
+def load_file(path: Path) -> Any:
+    """Load a single torch file (a backbone export, a state dict) as plain tensors and
+    containers, never running code that a pickle names."""
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path}: no such file")
     try:
@@ -58,12 +59,12 @@ def load_file(path: Path) -> dict[str, Any]:
             # code the file names: not advice to relay about a file of unknown origin.
             raise ValueError(
                 f"checkpoint {path}: refused, it holds Python objects other than tensors and "
-                "plain containers (a checkpoint of this project is data only; a pickle from "
-                "elsewhere could run code when loaded)"
+                "plain containers, such as a whole model saved with torch.save(model) (a pickle "
+                "from elsewhere could run code when loaded); where the model's code is, re-save "
+                "its weights alone: torch.save(model.state_dict(), 'backbone.pth')"
             ) from None
         raise ValueError(
-            f"checkpoint {path}: not a checkpoint file of this project (truncated, or another "
-            "format)"
+            f"checkpoint {path}: not a torch file (truncated, or another format)"
         ) from None
 
 

@@ -26,6 +26,11 @@ from recognition.config import image_size_pair
 from recognition.models.units import UnitChain
 
 TRUNK_CHANNELS = 2048
+# Where ReIDResNet50 keeps the torchvision trunk: its state-dict keys are "base." + the
+# torchvision key.
+TRUNK_PREFIX = "base."
+# The usual re-id input (H, W): person boxes keep their 2:1 aspect ratio.
+REID_IMAGE_SIZE = (256, 128)
 
 
 class ReIDResNet50(UnitChain):
@@ -124,11 +129,17 @@ def load_torchvision_weights(model: nn.Module, path: str) -> None:
     state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict):
         raise ValueError(f"{path}: expected a state dict, got {type(state).__name__}")
-    state = {k: v for k, v in state.items() if not k.startswith("fc.")}
+    state = torchvision_trunk(state)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as error:
         raise ValueError(f"{path}: not a torchvision ResNet-50 state dict: {error}") from error
+
+
+def torchvision_trunk(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The entries of a torchvision ResNet-50 state dict that the re-id trunk takes: all but
+    the ImageNet classifier's `fc.*` (the BN neck and its optional fc replace it)."""
+    return {k: v for k, v in state.items() if not k.startswith("fc.")}
 
 
 def resnet50_reid(
@@ -136,7 +147,7 @@ def resnet50_reid(
     embedding_size: int = TRUNK_CHANNELS,
     width: float = 1.0,
     dropout: float = 0.0,
-    image_size: int | tuple[int, int] = (256, 128),
+    image_size: int | tuple[int, int] = REID_IMAGE_SIZE,
     pretrained_path: str | None = None,
 ) -> ReIDResNet50:
     """Build `ReIDResNet50` with the common backbone signature.
