@@ -10,7 +10,10 @@
   python evaluate.py --checkpoint CKPT --ijb IJB_ROOT --ijb-name ijbc --ijb-mode 1n   # 1:N
   python evaluate.py                      # the last run of the default config
 
-CKPT is a run's backbone.pt or any of its training checkpoints. `--roc roc.png` draws the
+CKPT is a run's backbone.pt or any of its training checkpoints, an arcface_torch IResNet
+state dict (backbone.pth, model.pt), a torchvision ResNet-50 state dict (re-id), or an ONNX
+model (run by onnxruntime; its input normalisation --onnx-mean, --onnx-std, --onnx-bgr).
+`--roc roc.png` draws the
 ROC; `--export-embeddings EMB.npz` writes the embeddings of every image evaluated (with
 several targets, EMB.<target>.npz each). Several targets give one table; the JSON is then
 keyed by target name (flat for a single target).
@@ -39,13 +42,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     _add_ijb_args(parser)
     _add_output_args(parser)
     _add_extraction_args(parser)
+    _add_onnx_args(parser)
     return parser.parse_args(argv)
 
 
 def _add_source_args(parser: argparse.ArgumentParser) -> None:
     """What is evaluated: a model or stored embeddings, and on which pairs, .bin or re-id set."""
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--checkpoint", type=Path, help="backbone.pt or a training checkpoint")
+    source.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="backbone.pt or a training checkpoint; an arcface_torch or torchvision state "
+        "dict; an .onnx model",
+    )
     source.add_argument("--embeddings", type=Path, help=".npz with embeddings and paths")
     parser.add_argument("--pairs", type=Path, help="LFW-format pairs file")
     parser.add_argument(
@@ -146,6 +155,46 @@ def _add_extraction_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="image loading processes")
 
 
+def _add_onnx_args(parser: argparse.ArgumentParser) -> None:
+    """How an ONNX model wants its images (default: (pixel - 127.5) / 127.5 on RGB)."""
+    parser.add_argument(
+        "--onnx-mean",
+        type=_channel_values,
+        metavar="M|R,G,B",
+        help="ONNX model: subtracted from the pixel values in [0, 255] (default 127.5)",
+    )
+    parser.add_argument(
+        "--onnx-std",
+        type=_channel_values,
+        metavar="S|R,G,B",
+        help="ONNX model: what the pixel values minus the mean are divided by (default 127.5)",
+    )
+    parser.add_argument(
+        "--onnx-bgr", action="store_true", help="ONNX model: feed the channels in BGR order"
+    )
+
+
+def _channel_values(text: str) -> tuple[float, float, float]:
+    """'127.5' or '123.7,116.3,103.5' as three per-channel (R, G, B) values."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) not in (1, 3):
+        raise argparse.ArgumentTypeError(f"expected one number or three (R,G,B), got {text!r}")
+    return values * 3 if len(values) == 1 else values
+
+
+def _onnx_input(args: argparse.Namespace):
+    """The --onnx-* flags as an OnnxInput; None when none is given (the default)."""
+    from recognition.evaluation.onnx_model import OnnxInput
+
+    if args.onnx_mean is None and args.onnx_std is None and not args.onnx_bgr:
+        return None
+    default = OnnxInput()
+    return OnnxInput(args.onnx_mean or default.mean, args.onnx_std or default.std, args.onnx_bgr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if (version_error := torch_version_error()) is not None:
@@ -177,14 +226,14 @@ def _from_checkpoint(
 ) -> dict[str, dict] | None:
     """Results of a checkpoint's backbone on the command line's targets (or its run's, or
     re-id); None when it only wrote the embeddings of an image folder."""
-    from recognition.checkpoint import load_backbone
     from recognition.distributed import pick_device
     from recognition.evaluation import reid, run
     from recognition.evaluation.embeddings import Extraction
+    from recognition.evaluation.onnx_model import load_model
 
     checkpoint, targets = _checkpoint_and_targets(args)
     device = pick_device(args.device)
-    backbone, image_size = load_backbone(checkpoint, device)
+    backbone, image_size = load_model(checkpoint, device, _onnx_input(args))
     extraction = Extraction(args.batch_size, not args.no_flip, device, args.workers)
     _check_image_size(backbone, image_size_arg)
     image_size = image_size_arg or image_size
@@ -276,6 +325,7 @@ def _ijb(args: argparse.Namespace, image_size: tuple[int, int] | None) -> int:
         flip=not args.no_flip,
         device=pick_device(args.device),
         num_workers=args.workers,
+        onnx_input=_onnx_input(args),
     )
     if args.ijb_mode == "1n":
         report_search(results, json_path=args.json)

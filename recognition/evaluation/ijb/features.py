@@ -21,11 +21,11 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from recognition.checkpoint import load_backbone
 from recognition.data.alignment import align_face, template_points
 from recognition.data.transforms import load_rgb, to_input_tensor
 from recognition.evaluation.embeddings import DEFAULT_EXTRACTION, Extraction, open_npz, write_npz
 from recognition.evaluation.ijb.protocol import IJBProtocol
+from recognition.evaluation.onnx_model import OnnxInput, load_model
 
 log = logging.getLogger(__name__)
 
@@ -191,10 +191,12 @@ def protocol_features(
     features_path: str | os.PathLike | None = None,
     image_size: int | Sequence[int] | None = None,
     extraction: Extraction = DEFAULT_EXTRACTION,
+    onnx_input: OnnxInput | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Image features (I, D) and readable mask (I,) of ``protocol``: from ``features_path``
-    when it is a file, else by the backbone of ``checkpoint`` (written to ``features_path``
-    when given). Both modes call it, so one file serves 1:1 and 1:N.
+    when it is a file, else by the backbone of ``checkpoint`` (any file `load_model` reads:
+    an ONNX model fed as ``onnx_input`` says) written to ``features_path`` when given. Both
+    modes call it, so one file serves 1:1 and 1:N.
 
     The file records the release, flip, input size and a digest of the model's weights; a
     run that knows one of them (the model and size only with ``checkpoint``) refuses a file
@@ -206,7 +208,7 @@ def protocol_features(
     backbone = None
     if checkpoint is not None:
         device = torch.device("cpu") if cached else (extraction.device or torch.device("cpu"))
-        backbone, trained_size = load_backbone(checkpoint, device)
+        backbone, trained_size = load_model(checkpoint, device, onnx_input)
         image_size = image_size or trained_size
         settings["model"] = model_digest(backbone)
     if image_size is not None:

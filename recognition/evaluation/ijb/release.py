@@ -19,6 +19,7 @@ from recognition.evaluation.embeddings import Extraction
 from recognition.evaluation.ijb.features import cached_features, protocol_features
 from recognition.evaluation.ijb.protocol import IJBProtocol, load_protocol
 from recognition.evaluation.ijb.templates import template_features
+from recognition.evaluation.onnx_model import OnnxInput
 
 
 def default_threads() -> int:
@@ -39,7 +40,8 @@ class IJBOptions:
     checkpoint weights and input size); otherwise the backbone of ``checkpoint`` embeds every
     image (at ``image_size``, default the checkpoint's) and, with ``features_path``, they are
     saved there. ``score_weight`` weighs each image's feature by its detector score before
-    pooling; ``batch_size``, ``flip``, ``device``, ``num_workers`` and ``progress`` are the
+    pooling; ``onnx_input`` how an ONNX ``checkpoint`` wants its images (None: as training
+    normalises them); ``batch_size``, ``flip``, ``device``, ``num_workers`` and ``progress`` are the
     extraction's (:class:`~recognition.evaluation.embeddings.Extraction`); ``num_threads``
     the scoring's (default: :func:`default_threads`).
     """
@@ -54,6 +56,7 @@ class IJBOptions:
     num_workers: int = 0
     progress: bool = True
     num_threads: int | None = None
+    onnx_input: OnnxInput | None = None
 
     def extraction(self) -> Extraction:
         return Extraction(self.batch_size, self.flip, self.device, self.num_workers, self.progress)
@@ -98,6 +101,7 @@ def release_templates(
         features_path=options.features_path,
         image_size=options.image_size,
         extraction=options.extraction(),
+        onnx_input=options.onnx_input,
     )
     template_ids, unit = template_features(
         features, readable, protocol, options.score_weight, more_templates=more_templates
