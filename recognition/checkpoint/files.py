@@ -64,7 +64,8 @@ def load_file(path: Path) -> Any:
                 "its weights alone: torch.save(model.state_dict(), 'backbone.pth')"
             ) from None
         raise ValueError(
-            f"checkpoint {path}: not a torch file (truncated, or another format)"
+            f"checkpoint {path}: not a checkpoint file this project reads (truncated, or another "
+            "format)"
         ) from None
 
 
