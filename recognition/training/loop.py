@@ -207,7 +207,7 @@ def run_loop(run: Run, hooks: list[Hook], step_fn: Callable | None = None) -> No
 
 
 def _finish(run: Run) -> None:
-    """Rank 0 exports the backbone and evaluates `eval.targets` once every rank is done."""
+    """Rank 0 exports the backbone and evaluates the run's targets once every rank is done."""
     cfg = run.cfg
     backbone = run.whole_backbone()  # collective with a pipeline (the stages' parts)
     # The others leave once every rank is done (the last checkpoint is complete), so a long
@@ -219,11 +219,11 @@ def _finish(run: Run) -> None:
     path = cfg.run_dir / "backbone.pt"
     ckpt.export_backbone(path, backbone, dataclasses.asdict(cfg.model), cfg.data.image_size)
     log.info("wrote %s", path)
-    if cfg.eval.at_end and cfg.eval.targets:
+    if cfg.eval.at_end and run.eval_targets:
         from recognition.evaluation.run import evaluate_config_targets, report
 
         model = copy.deepcopy(backbone).float().eval()
         results = evaluate_config_targets(
-            cfg, model, run.dist_info.device, progress=cfg.train.progress
+            cfg, model, run.dist_info.device, progress=cfg.train.progress, targets=run.eval_targets
         )
         report(results, json_path=cfg.run_dir / "eval.json", roc_path=cfg.run_dir / "roc.png")
