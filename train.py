@@ -69,6 +69,17 @@ def main(argv: list[str] | None = None) -> int:
             cfg, gpus=args.gpus, gpu_memory_gib=args.gpu_memory, num_classes=args.classes
         )
 
+    # Before torch is imported or anything made: missing inputs are said in a second or two.
+    from recognition.preflight import input_problems
+
+    rank = int(os.environ.get("RANK", "0"))
+    if problems := input_problems(cfg):
+        if rank == 0:
+            print("\n".join(f"error: {problem}" for problem in problems), file=sys.stderr)
+        else:
+            time.sleep(REPLICA_GRACE_S)  # rank 0 says it
+        return 1
+
     from recognition.data.workers import error_message
     from recognition.distributed import is_collective_failure
     from recognition.logging import log_to_files
@@ -76,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     from recognition.training import TrainingError, train
     from recognition.training.stopping import EXIT_STOPPED, RunStopped
 
-    rank = int(os.environ.get("RANK", "0"))
     try:
         train(cfg)
     except RunStopped as stopped:  # a stop signal or the time limit, with a checkpoint
@@ -95,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             # rank 0 chose) is said once, by rank 0; the others give it a moment to.
             if rank > 0 and isinstance(exc, ConfigError | PipelineError | TrainingError):
                 time.sleep(REPLICA_GRACE_S)
-            else:
-                print(f"error: {message}", file=sys.stderr)
+            else:  # a line each (the inputs checked at the start report every problem)
+                print("\n".join(f"error: {line}" for line in message.splitlines()), file=sys.stderr)
             return 1
         if not is_collective_failure(raised):
             raise

@@ -36,6 +36,7 @@ from recognition.evaluation.verification import (
     format_table,
     to_json_dict,
 )
+from recognition.preflight import check_target
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +100,7 @@ def check_targets(targets: Sequence[EvalTarget]) -> None:
     the file and line.
     """
     for target in targets:
-        if target.bin is not None:
-            if not Path(target.bin).is_file():
-                raise FileNotFoundError(f"eval target {target.label}: {target.bin} not found")
-        else:
-            load_target(target)
+        check_target(target)
 
 
 def check_training_targets(cfg: ExperimentConfig, dist_info: DistInfo) -> None:
