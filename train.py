@@ -1,5 +1,7 @@
 """Train a recognition model: `python train.py [--config NAME_OR_PATH] [key=value ...]`.
 
+`--show-config` prints the config that would run (YAML, each key with its doc) and exits.
+
 Runs on one process as is, or on N with `torchrun --nproc_per_node N train.py ...` (and on
 several machines with torchrun's rendezvous options; docs/distributed.md). With `--plan
 --gpus N --gpu-memory GIB [--classes C]` it plans the run on this CPU instead
@@ -46,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         help="with --plan: the class count (default: the data set's, which must be here)",
     )
     parser.add_argument(
+        "--show-config",
+        action="store_true",
+        help="print the resolved config (with --config and the overrides) as YAML, each key "
+        "with its doc, and exit (docs/configuration.md lists every key)",
+    )
+    parser.add_argument(
         "overrides",
         nargs="*",
         metavar="key=value",
@@ -61,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+
+    if args.show_config:
+        from recognition.config.reference import show_config
+
+        print(show_config(cfg, " ".join(["--config", args.config, *args.overrides])), end="")
+        return 0
 
     if args.plan:
         from recognition.training.plan_report import run_plan_command
