@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     # Before torch is imported or anything made: missing inputs are said in a second or two.
-    from recognition.preflight import input_problems
+    from recognition.preflight import InputError, input_problems
 
     rank = int(os.environ.get("RANK", "0"))
     if problems := input_problems(cfg):
@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             log_to_files(logging.ERROR, message)  # train.log (train.rank<R>.log) keeps it
             # What every rank finds alike (the config, the pipeline's layout, the checkpoint
             # rank 0 chose) is said once, by rank 0; the others give it a moment to.
-            if rank > 0 and isinstance(exc, ConfigError | PipelineError | TrainingError):
+            alike = ConfigError | InputError | PipelineError | TrainingError
+            if rank > 0 and isinstance(exc, alike):
                 time.sleep(REPLICA_GRACE_S)
             else:  # a line each (the inputs checked at the start report every problem)
                 print("\n".join(f"error: {line}" for line in message.splitlines()), file=sys.stderr)

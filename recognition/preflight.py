@@ -19,6 +19,10 @@ from recognition.data.formats import resolve_format
 from recognition.data.pairs import load_pairs, resolve_images
 
 
+class InputError(ValueError):
+    """The run's inputs are missing or malformed: one line per problem."""
+
+
 def input_problems(cfg: ExperimentConfig) -> list[str]:
     """What is missing or malformed among the run's inputs, one line each ([] when none)."""
     problems = []
@@ -30,14 +34,14 @@ def input_problems(cfg: ExperimentConfig) -> list[str]:
         except OSError as exc:
             problems.append(str(exc))
     if cfg.eval.at_end or cfg.eval.every_steps:
-        for i, target in enumerate(cfg.eval.targets or []):
+        for target in cfg.eval.targets or []:
             files = [p for p in (target.pairs, target.images, target.bin) if p is not None]
             if pending is not None and any(lies_in(p, pending) for p in files):
                 continue
             try:
                 check_target(target)
             except (OSError, ValueError) as exc:
-                problems.append(f"eval.targets[{i}] ({target.label}): {exc}")
+                problems.append(f"eval.targets: {exc}")
     if (problem := _output_dir_problem(cfg.run_dir)) is not None:
         problems.append(problem)
     resume = cfg.train.resume
@@ -74,5 +78,5 @@ def _output_dir_problem(run_dir: Path) -> str | None:
     if not existing.is_dir():
         return f"output_dir: {existing} is a file, so {run_dir} cannot be made"
     if not os.access(existing, os.W_OK | os.X_OK):
-        return f"output_dir: cannot write into {existing} (no permission) to hold {run_dir}"
+        return f"output_dir: cannot write the run directory {run_dir}: {existing} is not writable"
     return None

@@ -31,7 +31,7 @@ from recognition.config import ExperimentConfig
 from recognition.config.values import parse_time_limit
 from recognition.distributed import DistInfo
 from recognition.logging import MetricsWriter, setup_logging
-from recognition.preflight import input_problems
+from recognition.preflight import InputError, input_problems
 from recognition.training.build import Run, TrainingError, build, build_data
 from recognition.training.determinism import deterministic_mode
 from recognition.training.hooks import Hook, default_hooks
@@ -139,11 +139,11 @@ def build_run(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> 
 
 def check_inputs(cfg: ExperimentConfig, dist_info: DistInfo) -> None:
     """Collective: rank 0 looks at the run's inputs (`recognition.preflight`); every rank
-    raises a TrainingError holding one line per problem when there is any."""
+    raises an InputError (a ValueError) holding one line per problem when there is any."""
     problems = input_problems(cfg) if dist_info.is_main else []
     problems = distributed.broadcast_object(problems)
     if problems:
-        raise TrainingError("\n".join(problems))
+        raise InputError("\n".join(problems))
 
 
 def check_run_dir(run_dir: Path) -> None:
