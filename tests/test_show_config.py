@@ -15,7 +15,8 @@ from recognition.config.reference import PAGE, REGENERATE, field_docs, reference
 @pytest.mark.parametrize(
     ("name", "overrides"),
     [
-        ("default", ["data.root=/data/my faces", "optim.lr=1e-3", "eval.holdout=0.1"]),
+        # A string that reads as a number unquoted ('2024'), a space, a YAML 1.1 float.
+        ("default", ["output_dir='2024'", "data.root=/my faces", "optim.lr=1e-3"]),
         ("ms1m_arcface", ["eval.every_steps=500", "data.image_size=[112, 96]"]),
         ("folder", ["train.resume=auto", "head.m=0.4"]),
     ],
