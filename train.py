@@ -24,7 +24,8 @@ from recognition.config import ConfigError, load_config
 REPLICA_GRACE_S = 2.0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """train.py's command line."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
         "--config",
@@ -59,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="key=value",
         help="dotted config overrides, e.g. head.margin=cosface optim.lr=0.05",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     # Intermixed: `--plan --gpus 8 key=value --classes N` reads as well as the options first.
     args = parser.parse_intermixed_args(argv)
     if (version_error := torch_version_error()) is not None:
