@@ -73,7 +73,7 @@ def choose_holdout(names: Iterable[str], counts: np.ndarray, share: float) -> Ho
     if share <= 0:
         return HoldoutSplit(np.zeros(0, np.int64), num_classes, "eval.holdout=0")
     eligible = np.flatnonzero(counts >= 2)
-    wanted = max(MIN_HELD_OUT, math.ceil(share * num_classes))
+    wanted = max(MIN_HELD_OUT, math.ceil(round(share * num_classes, 6)))  # 0.05 x 100 is 5
     count = min(wanted, len(eligible), num_classes // 2)
     if count < MIN_HELD_OUT:
         reason = (
