@@ -8,7 +8,8 @@
   python evaluate.py --embeddings EMB.npz --reid   # paths query/..., bounding_box_test/...
   python evaluate.py --checkpoint CKPT --ijb IJB_ROOT --ijb-name ijbc [--save-features F.npz]
   python evaluate.py --checkpoint CKPT --ijb IJB_ROOT --ijb-name ijbc --ijb-mode 1n   # 1:N
-  python evaluate.py                      # the last run of the default config
+  python evaluate.py                      # the last run of the default config, on what it
+                                          # verified on (its held-out identities)
 
 CKPT is a run's backbone.pt or any of its training checkpoints, an arcface_torch IResNet
 state dict (backbone.pth, model.pt), a torchvision ResNet-50 state dict (re-id), or an ONNX
@@ -117,8 +118,8 @@ def _add_output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         default="default",
-        help="with no --checkpoint/--embeddings: the config whose last run to "
-        "evaluate (default: default)",
+        help="with no --checkpoint/--embeddings: the config whose last run (its run "
+        "directory) to evaluate on the targets it verified on (default: default)",
     )
     parser.add_argument("--json", type=Path, help="write the metrics as JSON here")
     parser.add_argument("--roc", type=Path, help="draw the ROC curve to this image file")
@@ -264,17 +265,24 @@ def _from_checkpoint(
 
 def _checkpoint_and_targets(args: argparse.Namespace) -> tuple[Path, list[EvalTarget] | None]:
     """--checkpoint and the targets named on the command line; without --checkpoint, the
-    last run of --config: its backbone export and (unless targets are named) its targets."""
+    last run of --config (its run directory, runs/<name> or its output_dir): its backbone
+    export and (unless targets are named) what it verified on, by the config.yaml it saved:
+    its eval.targets, else its data's held-out identities (the synthetic set's pairs, or
+    the pairs of the identities eval.holdout kept out, in the run directory)."""
+    from recognition.evaluation.run import run_targets
+
     checkpoint, targets = args.checkpoint, None
     if checkpoint is None:
         cfg = load_config(args.config)
+        if (cfg.run_dir / "config.yaml").is_file():
+            cfg = load_config(str(cfg.run_dir / "config.yaml"))
         checkpoint = cfg.run_dir / "backbone.pt"
         if not checkpoint.is_file():
             raise FileNotFoundError(
                 f"{checkpoint}: no trained backbone yet; run `python train.py "
                 f"--config {args.config}` first, or pass --checkpoint"
             )
-        targets = cfg.eval.targets
+        targets = run_targets(cfg)
     return checkpoint, _targets(args) or targets
 
 

@@ -1,5 +1,7 @@
 """Train a recognition model: `python train.py [--config NAME_OR_PATH] [key=value ...]`.
 
+`--show-config` prints the config that would run (YAML, each key with its doc) and exits.
+
 Runs on one process as is, or on N with `torchrun --nproc_per_node N train.py ...` (and on
 several machines with torchrun's rendezvous options; docs/distributed.md). With `--plan
 --gpus N --gpu-memory GIB [--classes C]` it plans the run on this CPU instead
@@ -22,7 +24,8 @@ from recognition.config import ConfigError, load_config
 REPLICA_GRACE_S = 2.0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """train.py's command line."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
         "--config",
@@ -46,11 +49,22 @@ def main(argv: list[str] | None = None) -> int:
         help="with --plan: the class count (default: the data set's, which must be here)",
     )
     parser.add_argument(
+        "--show-config",
+        action="store_true",
+        help="print the resolved config (with --config and the overrides) as YAML, each key "
+        "with its doc, and exit (docs/configuration.md lists every key)",
+    )
+    parser.add_argument(
         "overrides",
         nargs="*",
         metavar="key=value",
         help="dotted config overrides, e.g. head.margin=cosface optim.lr=0.05",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     # Intermixed: `--plan --gpus 8 key=value --classes N` reads as well as the options first.
     args = parser.parse_intermixed_args(argv)
     if (version_error := torch_version_error()) is not None:
@@ -62,12 +76,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
 
+    if args.show_config:
+        from recognition.config.reference import show_config
+
+        print(show_config(cfg, " ".join(["--config", args.config, *args.overrides])), end="")
+        return 0
+
     if args.plan:
         from recognition.training.plan_report import run_plan_command
 
         return run_plan_command(
             cfg, gpus=args.gpus, gpu_memory_gib=args.gpu_memory, num_classes=args.classes
         )
+
+    # Before torch is imported or anything made: missing inputs are said in a second or two.
+    from recognition.preflight import InputError, input_problems
+
+    rank = int(os.environ.get("RANK", "0"))
+    if problems := input_problems(cfg):
+        if rank == 0:
+            print("\n".join(f"error: {problem}" for problem in problems), file=sys.stderr)
+        else:
+            time.sleep(REPLICA_GRACE_S)  # rank 0 says it
+        return 1
 
     from recognition.data.workers import error_message
     from recognition.distributed import is_collective_failure
@@ -76,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     from recognition.training import TrainingError, train
     from recognition.training.stopping import EXIT_STOPPED, RunStopped
 
-    rank = int(os.environ.get("RANK", "0"))
     try:
         train(cfg)
     except RunStopped as stopped:  # a stop signal or the time limit, with a checkpoint
@@ -93,10 +123,11 @@ def main(argv: list[str] | None = None) -> int:
             log_to_files(logging.ERROR, message)  # train.log (train.rank<R>.log) keeps it
             # What every rank finds alike (the config, the pipeline's layout, the checkpoint
             # rank 0 chose) is said once, by rank 0; the others give it a moment to.
-            if rank > 0 and isinstance(exc, ConfigError | PipelineError | TrainingError):
+            alike = ConfigError | InputError | PipelineError | TrainingError
+            if rank > 0 and isinstance(exc, alike):
                 time.sleep(REPLICA_GRACE_S)
-            else:
-                print(f"error: {message}", file=sys.stderr)
+            else:  # a line each (the inputs checked at the start report every problem)
+                print("\n".join(f"error: {line}" for line in message.splitlines()), file=sys.stderr)
             return 1
         if not is_collective_failure(raised):
             raise

@@ -12,6 +12,8 @@ from recognition.config.values import ConfigError, check_image_size, image_size_
 
 @dataclass
 class DataConfig:
+    """The `data` section: the training images, how they are read, sampled and decoded."""
+
     root: str = "data/synthetic/train"
     """An image folder (one sub-folder per identity), a folder holding an insightface
     RecordIO pack (`train.rec` + `train.idx`) or a Market-1501 folder
@@ -25,6 +27,7 @@ class DataConfig:
     flip: bool = True
     """Random horizontal flip during training."""
     num_workers: int = 2
+    """DataLoader worker processes that read and decode images; 0: in the training process."""
     cache_dir: str | None = None
     """Where the image-folder index is cached; null: inside data.root (hidden file)."""
     rebuild_index: bool = False

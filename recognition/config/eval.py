@@ -3,7 +3,7 @@ them and which metric picks the best backbone."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from recognition.config.values import ConfigError, check_counts, check_image_size
@@ -56,13 +56,28 @@ class EvalTarget:
         return Path(self.pairs or ".").resolve().parent.name
 
 
+HOLDOUT_NAME = "holdout"
+"""The name of the held-out identities' target (`eval.holdout`), and of its folder in the run
+directory."""
+SYNTHETIC_VAL_NAME = "synthetic-val"
+"""The name of the built-in synthetic set's own verification target (its `val/pairs.txt`)."""
+
 EVAL_METRICS = ("accuracy", "auc", "eer", "xnorm")
 """Metrics `eval.best_metric` may name besides `tar@far=<FAR>`; only `eer` is better lower."""
 
 
 @dataclass
 class EvalConfig:
-    targets: list[EvalTarget] = field(default_factory=list)
+    """The `eval` section: what the run verifies on, when, and with which settings."""
+
+    targets: list[EvalTarget] | None = None
+    """The verification sets (each a `pairs` file or a `bin`). null: the data's own held-out
+    identities: the synthetic set's val/pairs.txt when training on it, else `eval.holdout`'s
+    share of an image folder or RecordIO pack. []: no verification."""
+    holdout: float = 0.05
+    """With eval.targets null, on an image folder or RecordIO pack: the share of identities
+    (at least 20, of those with two images or more) held out of training, whose pairs the
+    run verifies on (run directory holdout/); 0 turns it off (docs/evaluation.md)."""
     at_end: bool = True
     """Evaluate every target once training ends and print the table."""
     every_steps: int | None = None
@@ -74,6 +89,7 @@ class EvalConfig:
     the backbone of the best periodic evaluation as best_backbone.pt (with best.json).
     Metrics: accuracy, auc, eer (lower is better), xnorm, tar@far=<FAR>."""
     batch_size: int = 128
+    """Images per evaluation batch."""
     flip: bool = True
     """Sum the embeddings of each image and its mirror image."""
     image_size: int | list[int] | None = None
@@ -81,9 +97,16 @@ class EvalConfig:
     (data.image_size)."""
 
     def __post_init__(self) -> None:
-        for i, target in enumerate(self.targets):
+        for i, target in enumerate(self.targets or []):
             target.check(f"eval.targets[{i}]")
-        labels = [t.label for t in self.targets]
+        if not 0.0 <= self.holdout <= 0.5:
+            raise ConfigError(
+                f"eval.holdout: a share of the identities from 0 (off) to 0.5, got {self.holdout}"
+            )
+        # Without targets the run's own: the synthetic set's, or the held-out identities.
+        labels = [t.label for t in self.targets or []]
+        if self.targets is None:
+            labels = [SYNTHETIC_VAL_NAME, HOLDOUT_NAME]
         duplicates = sorted({x for x in labels if labels.count(x) > 1})
         if duplicates:
             raise ConfigError(

@@ -18,10 +18,14 @@ from recognition.config.values import ConfigError, image_size_pair
 
 @dataclass
 class ExperimentConfig:
+    """The whole run: its name, where it writes, its seed, and one field per section."""
+
     name: str = "experiment"
+    """The run's name: the config file's stem unless set; the run directory is runs/<name>."""
     output_dir: str | None = None
     """Run directory; null means runs/<name>."""
     seed: int = 0
+    """Seed of the weights' initialisation, the sample order and the augmentation."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
@@ -65,6 +69,31 @@ class ExperimentConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir if self.output_dir else Path("runs") / self.name)
+
+    @property
+    def trains_on_synthetic(self) -> bool:
+        """Whether data.root lies in the built-in synthetic set's folder (data.synthetic.root)."""
+        return lies_in(self.data.root, self.data.synthetic.root)
+
+    @property
+    def uses_synthetic(self) -> bool:
+        """Whether the run reads the synthetic set: its data.root or an evaluation target
+        lies in data.synthetic.root (with eval.targets null, training on it means its own
+        val pairs). Only then is the set generated on first use."""
+        root = self.data.synthetic.root
+        files = [
+            path
+            for target in self.eval.targets or []
+            for path in (target.pairs, target.images, target.bin)
+            if path is not None
+        ]
+        return self.trains_on_synthetic or any(lies_in(path, root) for path in files)
+
+
+def lies_in(path: str | Path, folder: str | Path) -> bool:
+    """Whether `path` is `folder` or lies under it (both made absolute, links resolved as far
+    as they exist)."""
+    return Path(path).resolve().is_relative_to(Path(folder).resolve())
 
 
 def check_fused_update(cfg: ExperimentConfig) -> None:

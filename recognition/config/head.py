@@ -14,6 +14,8 @@ MARGIN_NAMES = ("arcface", "cosface", "sphereface", "am_softmax", "combined", "a
 
 @dataclass
 class HeadConfig:
+    """The `head` section: the margin, its parameters, and the sharded head's kernels."""
+
     margin: str = "arcface"
     """arcface, cosface, sphereface, am_softmax, combined or adaface."""
     scale: float | None = None
@@ -22,7 +24,9 @@ class HeadConfig:
     """The margin of arcface / cosface / sphereface / am_softmax / adaface; None takes the
     default."""
     m1: float | None = None
+    """Combined margin: the multiplicative angle margin m1; only with margin=combined."""
     m2: float | None = None
+    """Combined margin: the additive angle margin m2; only with margin=combined."""
     m3: float | None = None
     """Combined margin s*(cos(m1*theta + m2) - m3); only with margin=combined."""
     h: float | None = None

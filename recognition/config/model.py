@@ -10,11 +10,17 @@ from recognition.config.values import ConfigError
 
 @dataclass
 class ModelConfig:
+    """The `model` section: the backbone, its embedding and its optional pipeline stages."""
+
     backbone: str = "iresnet50"
+    """An IResNet for faces (iresnet18, 34, 50, 100, 200; insightface's layout) or
+    resnet50_reid (torchvision's ResNet-50 for person re-id)."""
     embedding_size: int = 512
+    """Dimension of the embedding (the features the head and the evaluation see)."""
     width: float = 1.0
     """Channel multiplier of the backbone (1.0 = the published architecture)."""
     dropout: float = 0.0
+    """Dropout probability on the last feature map before the embedding layer."""
     sync_bn: bool = False
     """With several processes, turn every BatchNorm into a SyncBatchNorm: batch statistics
     over the global batch instead of each rank's (with pipeline stages: over the

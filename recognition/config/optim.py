@@ -10,18 +10,25 @@ from recognition.config.values import ConfigError
 
 @dataclass
 class OptimConfig:
+    """The `optim` section: the optimizer and the learning-rate schedule."""
+
     name: Literal["sgd", "adamw"] = "sgd"
+    """sgd (with momentum) or adamw."""
     lr: float = 0.1
     """Peak learning rate, reached at the end of warmup."""
     momentum: float = 0.9
+    """SGD's momentum."""
     weight_decay: float = 5e-4
     """Not applied to BatchNorm / PReLU weights and biases (parameters with ndim <= 1)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW's [beta1, beta2]."""
     warmup_epochs: float = 0.0
+    """Epochs (may be fractional) of linear warmup from 0 to `lr`."""
     schedule: Literal["poly", "cosine", "constant", "step"] = "poly"
     """After warmup: poly or cosine decay to min_lr at the end, constant, or step (the lr
     multiplied by `gamma` at each of `milestones`)."""
     poly_power: float = 2.0
+    """schedule=poly: the exponent of the decay."""
     min_lr: float = 0.0
     """The lr that poly and cosine end at."""
     milestones: list[float] = field(default_factory=list)

@@ -106,7 +106,10 @@ class SyntheticConfig(SyntheticSpec):
     fields, and whether and where to generate it on first use."""
 
     enabled: bool = False
+    """Generate the set under `root` on first use, when the run reads it (data.root or an
+    evaluation target lies in `root`); never for a run on other data."""
     root: str = "data/synthetic"
+    """Where the set lives: root/train (identity folders), root/val with its pairs.txt."""
 
     def __post_init__(self) -> None:
         # The spec's own checks, reported under the config's dotted key.

@@ -14,9 +14,12 @@ STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
 
 @dataclass
 class TrainConfig:
+    """The `train` section: batches, length, resuming, devices, logging and checkpoints."""
+
     batch_size: int = 128
     """Per process."""
     epochs: int = 20
+    """Passes over the training data; the schedule spans them."""
     max_steps: int | None = None
     """Stop after this many optimizer steps; the schedule still spans `epochs`."""
     accumulate_steps: int = 1
@@ -26,6 +29,8 @@ class TrainConfig:
     latest checkpoint of the run directory; auto: the latest if there is one, else start (for
     torchrun --max-restarts); a path: that checkpoint directory."""
     device: str = "auto"
+    """auto (the GPU of the process's local rank when there is one, else the CPU), cpu or
+    cuda."""
     dist_backend: str = "auto"
     """Process-group backend with several processes: auto (NCCL on GPU, gloo on CPU), nccl
     or gloo."""
@@ -34,15 +39,18 @@ class TrainConfig:
     rank hung takes to stop. It must exceed the longest gap between two collectives (a
     checkpoint save, the first batch of a slow data loader)."""
     log_every: int = 10
+    """Optimizer steps between log lines (and metrics.jsonl records)."""
     checkpoint_every: int | None = None
     """Optimizer steps between checkpoints; null: at the end of every epoch."""
     keep_checkpoints: int = 2
+    """Checkpoints kept in the run directory; older ones are removed."""
     max_nonfinite_steps: int = 5
     """Stop the run after this many non-finite losses in a row."""
     memory_check: bool = True
     """On GPUs: before building the model, plan the run (docs/planning.md) and
     refuse it when the planned peak does not fit the GPU's memory; false skips the check."""
     progress: bool = True
+    """A progress bar (tqdm) on rank 0."""
     compile: bool = False
     """torch.compile the backbone (the head stays eager: its collectives and custom autograd
     functions gain nothing). The first step compiles (logged once); docs/training.md says
@@ -100,6 +108,10 @@ class TrainConfig:
 
 @dataclass
 class PrecisionConfig:
+    """The `precision` section: the mixed-precision level and its half type."""
+
     level: Literal["O0", "O1", "O2", "O3"] = "O0"
+    """O0 fp32; O1 autocast; O2 half weights with fp32 masters; O3 pure half
+    (docs/training.md)."""
     dtype: Literal["fp16", "bf16"] = "bf16"
     """The half type of O1-O3; O0 ignores it."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -23,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from recognition.config import ConfigError, DataConfig
+from recognition.data.formats import resolve_format
 from recognition.data.gpu_decode import (
     DeviceBatches,
     EncodedView,
@@ -32,37 +32,13 @@ from recognition.data.gpu_decode import (
 )
 from recognition.data.image_folder import ImageFolderDataset
 from recognition.data.index import open_index
-from recognition.data.market_train import TRAIN_FOLDER, Market1501TrainDataset
+from recognition.data.market_train import Market1501TrainDataset
 from recognition.data.recordio import RecordIODataset
 from recognition.data.sampler import AugmentedView, IdentityBalancedSampler, ResumableSampler
 from recognition.data.source import TrainSource
 from recognition.data.workers import exit_with_parent
 
 log = logging.getLogger(__name__)
-
-
-def resolve_format(data_cfg: DataConfig) -> str:
-    """`data.format`, with `auto` resolved by what `data.root` holds."""
-    root = Path(data_cfg.root)
-    if not root.exists():
-        raise FileNotFoundError(f"data.root: {root} does not exist")
-    if not root.is_dir():
-        raise NotADirectoryError(
-            f"data.root: {root} is a file; expected a folder (one sub-folder per identity, "
-            "train.rec with train.idx, or a Market-1501 folder)"
-        )
-    if data_cfg.format != "auto":
-        return data_cfg.format
-    if (root / "train.rec").is_file():
-        if not (root / "train.idx").is_file():
-            raise FileNotFoundError(
-                f"data.root: {root / 'train.rec'} has no train.idx beside it (the RecordIO "
-                "index of record offsets that comes with the pack); copy it there too"
-            )
-        return "recordio"
-    if (root / TRAIN_FOLDER).is_dir():
-        return "market1501"
-    return "folder"
 
 
 def build_train_dataset(

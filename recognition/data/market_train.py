@@ -16,11 +16,10 @@ import os
 import numpy as np
 from PIL import Image
 
+from recognition.data.formats import TRAIN_FOLDER
 from recognition.data.market1501 import DISTRACTOR_ID, JUNK_ID, list_folder
 from recognition.data.source import BadImagePolicy, TrainSource
 from recognition.data.transforms import load_rgb, read_encoded
-
-TRAIN_FOLDER = "bounding_box_train"
 
 
 class Market1501TrainDataset(TrainSource):

@@ -13,8 +13,12 @@ from torch import nn
 
 from recognition import distributed
 from recognition.config import EvalTarget, ExperimentConfig
+from recognition.config.eval import HOLDOUT_NAME, SYNTHETIC_VAL_NAME
+from recognition.data.holdout import HOLDOUT_DIR
+from recognition.data.holdout import PAIRS_FILE as HOLDOUT_PAIRS
 from recognition.data.insightface_bin import BinDataset, load_bin
 from recognition.data.pairs import IMAGE_EXTENSIONS, Pairs, load_pairs, resolve_images
+from recognition.data.synthetic.layout import PAIRS_FILE, VAL_DIR
 from recognition.distributed import DistInfo
 from recognition.evaluation.embeddings import (
     DEFAULT_EXTRACTION,
@@ -32,6 +36,7 @@ from recognition.evaluation.verification import (
     format_table,
     to_json_dict,
 )
+from recognition.preflight import check_target
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +55,23 @@ def load_target(target: EvalTarget) -> tuple[Pairs, Path]:
     return resolve_images(pairs, root), root
 
 
+def run_targets(cfg: ExperimentConfig, *, holdout: bool | None = None) -> list[EvalTarget]:
+    """The targets a run of `cfg` verifies on: `eval.targets`; with none named (null), the
+    data's own held-out identities: the synthetic set's val pairs when it trains on that set,
+    else the pairs of the identities `eval.holdout` kept out of training, in the run
+    directory. `holdout`: whether the run holds identities out (training knows); None: when
+    the run directory holds their pairs (evaluating a finished run)."""
+    if cfg.eval.targets is not None:
+        return list(cfg.eval.targets)
+    if cfg.trains_on_synthetic:
+        pairs = Path(cfg.data.synthetic.root) / VAL_DIR / PAIRS_FILE
+        return [EvalTarget(name=SYNTHETIC_VAL_NAME, pairs=str(pairs))]
+    pairs = cfg.run_dir / HOLDOUT_DIR / HOLDOUT_PAIRS
+    if holdout is None:
+        holdout = cfg.eval.holdout > 0 and pairs.is_file()
+    return [EvalTarget(name=HOLDOUT_NAME, pairs=str(pairs))] if holdout else []
+
+
 def evaluate_config_targets(
     cfg: ExperimentConfig,
     model: nn.Module,
@@ -57,14 +79,17 @@ def evaluate_config_targets(
     *,
     progress: bool,
     xnorm: bool = False,
+    targets: Sequence[EvalTarget] | None = None,
 ) -> dict[str, dict]:
-    """`evaluate_targets` on ``cfg.eval.targets`` with the config's evaluation settings.
+    """`evaluate_targets` on `targets` (default: `run_targets(cfg)`) with the config's
+    evaluation settings.
 
     `model`: a float32 backbone in eval mode (during training, a copy of the backbone, which
     may be held in half precision and must keep its own mode). Returns {target: metrics}.
     """
     extraction = Extraction(cfg.eval.batch_size, cfg.eval.flip, device, progress=progress)
-    return evaluate_targets(model, cfg.eval.targets, cfg.eval_image_hw, extraction, xnorm=xnorm)
+    targets = run_targets(cfg) if targets is None else targets
+    return evaluate_targets(model, targets, cfg.eval_image_hw, extraction, xnorm=xnorm)
 
 
 def check_targets(targets: Sequence[EvalTarget]) -> None:
@@ -75,11 +100,7 @@ def check_targets(targets: Sequence[EvalTarget]) -> None:
     the file and line.
     """
     for target in targets:
-        if target.bin is not None:
-            if not Path(target.bin).is_file():
-                raise FileNotFoundError(f"eval target {target.label}: {target.bin} not found")
-        else:
-            load_target(target)
+        check_target(target)
 
 
 def check_training_targets(cfg: ExperimentConfig, dist_info: DistInfo) -> None:
@@ -87,12 +108,13 @@ def check_training_targets(cfg: ExperimentConfig, dist_info: DistInfo) -> None:
 
     Raises ValueError ``"eval.targets: ..."`` naming the missing or malformed file.
     """
-    if not cfg.eval.targets or not (cfg.eval.every_steps or cfg.eval.at_end):
+    targets = run_targets(cfg)
+    if not targets or not (cfg.eval.every_steps or cfg.eval.at_end):
         return
     error = None
     if dist_info.is_main:
         try:
-            check_targets(cfg.eval.targets)
+            check_targets(targets)
         except (ValueError, FileNotFoundError) as exc:
             error = f"eval.targets: {exc}"
     # Broadcast, so that every rank stops when rank 0 finds a target missing.

@@ -25,18 +25,25 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Sampler
 
 from recognition import distributed
-from recognition.config import ConfigError, ExperimentConfig, config_to_dict, save_config
+from recognition.config import (
+    ConfigError,
+    EvalTarget,
+    ExperimentConfig,
+    config_to_dict,
+    save_config,
+)
 from recognition.data.build import (
     build_loader,
     build_sampler,
     build_train_dataset,
     resolve_decode,
+    resolve_format,
 )
 from recognition.data.sampler import EpochBatches
 from recognition.data.source import TrainSource
 from recognition.data.synthetic import ensure_synthetic_dataset
 from recognition.distributed import DistInfo
-from recognition.evaluation.run import check_training_targets
+from recognition.evaluation.run import check_training_targets, run_targets
 from recognition.heads import ShardedMarginSoftmax, build_head
 from recognition.models import backbone_from_config
 from recognition.models.cpu_layout import channels_last_refusal, cpu_compile_options
@@ -60,6 +67,7 @@ from recognition.pipeline import (
 )
 from recognition.precision import Precision, StepResult
 from recognition.training.errors import TrainingError
+from recognition.training.holdout import hold_out, holdout_wanted
 from recognition.training.parts import ModelParts
 from recognition.training.pipeline_step import PipelineStep, build_pipeline_step
 from recognition.training.state import Progress, RngState
@@ -122,6 +130,8 @@ class Run:
     StopHook at the step every rank stops at; None while it goes on."""
     longest_save_s: float = 0.0
     """The longest a checkpoint of this run took to save so far (the time limit's reserve)."""
+    eval_targets: list[EvalTarget] = field(default_factory=list)
+    """What the run verifies on (`run_targets`: eval.targets, or the data's held-out set)."""
 
     @property
     def run_dir(self) -> Path:
@@ -191,6 +201,8 @@ class TrainData:
     layout: PipelineLayout | None
     """The pipeline mesh (model.pipeline_stages > 1), whose replicas split the data."""
     steps_per_epoch: int
+    eval_targets: list[EvalTarget]
+    """What the run verifies on (`run_targets`)."""
 
     @property
     def num_classes(self) -> int:
@@ -206,7 +218,7 @@ def build_data(cfg: ExperimentConfig, dist_info: DistInfo) -> TrainData:
         check_stages(cfg.model, cfg.data.image_hw, cfg.model.pipeline_stages)
     layout = make_layout(cfg.model.pipeline_stages, dist_info) if _pipelined(cfg) else None
     num_replicas = layout.dp_size if layout is not None else dist_info.world_size
-    data, sampler, decode = _build_data(cfg, dist_info, layout)
+    data, sampler, decode, targets = _build_data(cfg, dist_info, layout)
     steps_per_epoch = len(sampler) // cfg.train.batch_size // cfg.train.accumulate_steps
     if steps_per_epoch < 1:
         raise TrainingError(
@@ -222,7 +234,7 @@ def build_data(cfg: ExperimentConfig, dist_info: DistInfo) -> TrainData:
         steps_per_epoch,
         global_batch(cfg, num_replicas),
     )
-    return TrainData(data, sampler, decode, layout, steps_per_epoch)
+    return TrainData(data, sampler, decode, layout, steps_per_epoch, targets)
 
 
 def build(
@@ -280,6 +292,7 @@ def build(
         step=parts.step,
         layout=layout,
         param_ids=parts.param_ids,
+        eval_targets=data.eval_targets,
     )
 
 
@@ -421,9 +434,10 @@ def _check_backbone(cfg: ExperimentConfig, dist_info: DistInfo) -> None:
 
 def _build_data(
     cfg: ExperimentConfig, dist_info: DistInfo, layout: PipelineLayout | None
-) -> tuple[TrainSource, Sampler, Literal["cpu", "gpu"]]:
-    """The training source, its sampler, and where its images are decoded (data.decode)."""
-    if cfg.data.synthetic.enabled:
+) -> tuple[TrainSource, Sampler, Literal["cpu", "gpu"], list[EvalTarget]]:
+    """The training source (less the identities eval.holdout keeps out), its sampler, where
+    its images are decoded (data.decode), and the targets the run verifies on."""
+    if cfg.data.synthetic.enabled and cfg.uses_synthetic:  # generated only for a run using it
         if dist_info.is_main:
             ensure_synthetic_dataset(Path(cfg.data.synthetic.root), cfg.data.synthetic.spec())
         distributed.barrier()
@@ -432,6 +446,10 @@ def _build_data(
     data = build_train_dataset(
         cfg.data, rank_is_main=dist_info.is_main, barrier=distributed.barrier
     )
+    held_out = False
+    if holdout_wanted(cfg, resolve_format(cfg.data)):
+        data, held_out = hold_out(cfg, dist_info, data)
+    targets = run_targets(cfg, holdout=held_out)
     # data.sampler=random is DistributedSampler's order: one permutation per epoch (the same
     # on every rank), rank r taking every W-th sample, the tail that does not divide by W
     # dropped; pk is P identities x K images per batch, whole groups per rank. Incomplete
@@ -449,8 +467,8 @@ def _build_data(
     # every rank. The later stages of a pipeline read labels only (LabelsOnly): they need
     # no decoder, nor the probe of one that auto makes.
     if layout is not None and not layout.is_first and cfg.data.decode != "gpu":
-        return data, sampler, "cpu"
-    return data, sampler, resolve_decode(cfg.data, dist_info.device, data)
+        return data, sampler, "cpu", targets
+    return data, sampler, resolve_decode(cfg.data, dist_info.device, data), targets
 
 
 def _to_device(

@@ -29,9 +29,14 @@ from tqdm import tqdm
 
 from recognition import checkpoint as ckpt
 from recognition import distributed
-from recognition.config import ExperimentConfig
+from recognition.config import EvalTarget, ExperimentConfig
 from recognition.distributed import DistInfo
-from recognition.evaluation.run import evaluate_config_targets, metric_values, write_json
+from recognition.evaluation.run import (
+    evaluate_config_targets,
+    metric_values,
+    run_targets,
+    write_json,
+)
 from recognition.logging import MetricsWriter
 from recognition.precision import StepResult
 from recognition.training.build import Run, TrainingError
@@ -74,7 +79,7 @@ def default_hooks(run: Run, metrics: MetricsWriter) -> list[Hook]:
         FirstStepTimer(),
         LogWindow(metrics),
         NonFiniteGuard(),
-        PeriodicEvaluation(run.cfg, run.dist_info, metrics),
+        PeriodicEvaluation(run.cfg, run.dist_info, metrics, run.eval_targets),
         Checkpointer(),
         BadImageReport(),
         ProgressBar(),
@@ -360,7 +365,7 @@ class PeriodicEvaluation(Hook):
     """Verification every ``eval.every_steps`` optimizer steps, and the best backbone kept.
 
     Call :meth:`due` every step and :meth:`run` (on every rank: it is collective) when it is
-    true. Rank 0 evaluates a float copy of the backbone on ``eval.targets`` while the other
+    true. Rank 0 evaluates a float copy of the backbone on the run's targets while the other
     ranks wait for its answer, so one evaluation must take less than ``train.timeout_s``.
     The scalars go to metrics.jsonl (one record ``{"step", "epoch", "eval/<target>/..."}``)
     and TensorBoard. When ``eval.best_metric`` improved, rank 0 writes ``best_backbone.pt``
@@ -368,8 +373,15 @@ class PeriodicEvaluation(Hook):
     atomically; an existing best.json (a resumed run) is the value to beat.
     """
 
-    def __init__(self, cfg: ExperimentConfig, dist_info: DistInfo, metrics: MetricsWriter):
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        dist_info: DistInfo,
+        metrics: MetricsWriter,
+        targets: list[EvalTarget] | None = None,
+    ):
         self.cfg = cfg
+        self.targets = run_targets(cfg) if targets is None else targets
         self.dist_info = dist_info
         self.metrics = metrics
         self.run_dir = cfg.run_dir
@@ -387,12 +399,12 @@ class PeriodicEvaluation(Hook):
 
     def after_step(self, run: Run, result: StepResult) -> None:
         if self.due(run.progress.step):
-            # Collective: rank 0 evaluates (eval.targets), the others wait for it.
+            # Collective: rank 0 evaluates (the run's targets), the others wait for it.
             self.run(run.progress.step, run.progress.epoch, run.whole_backbone())
 
     def due(self, step: int) -> bool:
         every = self.cfg.eval.every_steps
-        return bool(every and self.cfg.eval.targets and step % every == 0)
+        return bool(every and self.targets and step % every == 0)
 
     def run(self, step: int, epoch: int, backbone: nn.Module | None) -> dict[str, dict] | None:
         """Evaluate (rank 0) and wait for it (every rank). Returns rank 0's results, else None.
@@ -421,7 +433,9 @@ class PeriodicEvaluation(Hook):
         # Evaluation must not move the training's random streams (a DataLoader draws a seed
         # from the global generator), or a run with evaluation would train differently.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            results = evaluate_config_targets(cfg, model, device, progress=False, xnorm=True)
+            results = evaluate_config_targets(
+                cfg, model, device, progress=False, xnorm=True, targets=self.targets
+            )
         values: dict[str, float] = {}
         for name, result in results.items():
             values.update(metric_values(name, result))

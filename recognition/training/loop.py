@@ -31,6 +31,7 @@ from recognition.config import ExperimentConfig
 from recognition.config.values import parse_time_limit
 from recognition.distributed import DistInfo
 from recognition.logging import MetricsWriter, setup_logging
+from recognition.preflight import InputError, input_problems
 from recognition.training.build import Run, TrainingError, build, build_data
 from recognition.training.determinism import deterministic_mode
 from recognition.training.hooks import Hook, default_hooks
@@ -65,6 +66,8 @@ def _train(cfg: ExperimentConfig) -> Path:
     check_run_dir(cfg.run_dir)
     setup_logging(cfg.run_dir, dist_info)
     checkpoint = resume_path(cfg, cfg.run_dir)
+    # Before any work: nothing generated, indexed or built for a run whose inputs are missing.
+    check_inputs(cfg, dist_info)
     # Per-rank seeds: ranks draw different dropout masks. The backbone's initial weights are
     # rank 0's (DDP broadcasts them) and the head draws its class matrix by blocks.
     seed_everything(cfg.seed + dist_info.rank)
@@ -132,6 +135,15 @@ def build_run(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> 
 
         check_memory(cfg, dist_info, data.num_classes)
     return build(cfg, dist_info, resuming=resuming, data=data)
+
+
+def check_inputs(cfg: ExperimentConfig, dist_info: DistInfo) -> None:
+    """Collective: rank 0 looks at the run's inputs (`recognition.preflight`); every rank
+    raises an InputError (a ValueError) holding one line per problem when there is any."""
+    problems = input_problems(cfg) if dist_info.is_main else []
+    problems = distributed.broadcast_object(problems)
+    if problems:
+        raise InputError("\n".join(problems))
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -207,7 +219,7 @@ def run_loop(run: Run, hooks: list[Hook], step_fn: Callable | None = None) -> No
 
 
 def _finish(run: Run) -> None:
-    """Rank 0 exports the backbone and evaluates `eval.targets` once every rank is done."""
+    """Rank 0 exports the backbone and evaluates the run's targets once every rank is done."""
     cfg = run.cfg
     backbone = run.whole_backbone()  # collective with a pipeline (the stages' parts)
     # The others leave once every rank is done (the last checkpoint is complete), so a long
@@ -219,11 +231,11 @@ def _finish(run: Run) -> None:
     path = cfg.run_dir / "backbone.pt"
     ckpt.export_backbone(path, backbone, dataclasses.asdict(cfg.model), cfg.data.image_size)
     log.info("wrote %s", path)
-    if cfg.eval.at_end and cfg.eval.targets:
+    if cfg.eval.at_end and run.eval_targets:
         from recognition.evaluation.run import evaluate_config_targets, report
 
         model = copy.deepcopy(backbone).float().eval()
         results = evaluate_config_targets(
-            cfg, model, run.dist_info.device, progress=cfg.train.progress
+            cfg, model, run.dist_info.device, progress=cfg.train.progress, targets=run.eval_targets
         )
         report(results, json_path=cfg.run_dir / "eval.json", roc_path=cfg.run_dir / "roc.png")

@@ -1,0 +1,187 @@
+"""Every config key with its doc: `--show-config`'s commented YAML of a resolved config, and
+the reference page docs/configuration.md, both from the dataclasses' field docstrings (the
+string literal under each field, read from the source with `ast`).
+
+    python -m recognition.config.reference --write    # regenerates docs/configuration.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import re
+import sys
+import textwrap
+import types
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from recognition.config.eval import EvalTarget
+from recognition.config.experiment import ExperimentConfig
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """{field name: docstring} of the dataclass `cls`, its bases' fields included (a
+    subclass's own docstring wins); a field without one is left out."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, after in zip(body, body[1:] + [None], strict=True):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def one_line(doc: str | None) -> str:
+    """The first sentence of `doc`, on one line ("" for none)."""
+    text = " ".join((doc or "").split())
+    # A full stop before a capital ends it; "e.g." and "i.e." do not.
+    match = re.search(r"(?<!e\.g)(?<!i\.e)\.\s(?=[A-Z`])", text)
+    return text[: match.start() + 1] if match else text
+
+
+def _flow(value: Any) -> str:
+    """`value` (plain data) as one line of flow YAML that yaml.safe_load reads back."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=1 << 30, sort_keys=False)
+    return text.removesuffix("\n").removesuffix("\n...").strip()
+
+
+def commented_yaml(section: Any, indent: int = 0) -> list[str]:
+    """The lines of `section` (a config dataclass) as YAML, each key's one-line doc beside it."""
+    docs = field_docs(type(section))
+    lines = []
+    pad = "  " * indent
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            doc = one_line(docs.get(f.name) or type(value).__doc__)
+            lines.append(f"{pad}{f.name}:" + (f"  # {doc}" if doc else ""))
+            lines += commented_yaml(value, indent + 1)
+            continue
+        plain = _plain(value)
+        doc = one_line(docs.get(f.name))
+        lines.append(f"{pad}{f.name}: {_flow(plain)}" + (f"  # {doc}" if doc else ""))
+    return lines
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
+
+
+def show_config(cfg: ExperimentConfig, source: str) -> str:
+    """`python train.py --show-config`: the resolved `cfg` as YAML that `--config` takes back,
+    every key with its one-line doc. `source` says where it came from (the first line)."""
+    header = [
+        f"# The resolved config of {source}: a file --config takes as it is.",
+        "# After each key, the first sentence of its doc (all of it: docs/configuration.md).",
+    ]
+    return "\n".join(header + commented_yaml(cfg)) + "\n"
+
+
+# ------------------------------------------------------------------------- the reference page
+
+PAGE = Path(__file__).resolve().parent.parent.parent / "docs" / "configuration.md"
+REGENERATE = "python -m recognition.config.reference --write"
+
+INTRO = f"""# Configuration reference
+
+Every config key: its type, its default and what it does, from the field docstrings of
+`recognition/config/`. Generated: `{REGENERATE}`
+writes this page again (a test fails when it and the code disagree). Back to the
+[README](../README.md).
+
+The defaults here are the dataclasses'; a config file sets its own over them (the
+experiment files over `configs/face_base.yaml`, the built-in run in `configs/default.yaml`),
+and `key=value` on the command line wins over both. `python train.py --show-config` (with
+`--config NAME` and `key=value` overrides as for training) prints the config a run would use,
+each key with the first sentence of its doc, as YAML that `--config` takes back
+([training.md](training.md#the-config)).
+"""
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " \\| ".join(str(a) for a in get_args(tp))
+    if origin is list:
+        return f"list of {_type_name(get_args(tp)[0])}"
+    if origin in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in get_args(tp))
+    if dataclasses.is_dataclass(tp):
+        return tp.__name__
+    return getattr(tp, "__name__", str(tp))
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "required"
+    return f"`{_flow(_plain(value))}`"
+
+
+def _table(cls: type, prefix: str) -> tuple[list[str], list[tuple[type, str]]]:
+    """The rows of `cls`'s plain keys, and its sub-sections (class, dotted prefix)."""
+    docs, hints = field_docs(cls), get_type_hints(cls)
+    rows, sections = [], []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            sections.append((tp, f"{prefix}{f.name}"))
+            continue
+        doc = " ".join(docs.get(f.name, "").split()).replace("|", "\\|")
+        rows.append(f"| `{prefix}{f.name}` | {_type_name(tp)} | {_default(f)} | {doc} |")
+    return rows, sections
+
+
+def reference_page() -> str:
+    """docs/configuration.md: a table per section (the top level, then each section)."""
+    out = [INTRO]
+    todo: list[tuple[type, str]] = [(ExperimentConfig, "")]
+    while todo:
+        cls, name = todo.pop(0)
+        rows, sections = _table(cls, f"{name}." if name else "")
+        if name == "eval":  # a target's keys, under eval.targets[i]
+            sections.append((EvalTarget, "eval.targets[i]"))
+        title = f"`{name}`" if name else "The top level"
+        out += [f"## {title}", "", " ".join(inspect.cleandoc(cls.__doc__ or "").split()), ""]
+        if rows:
+            out += ["| key | type | default | what it does |", "|---|---|---|---|", *rows, ""]
+        todo = sections + todo
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Print (or --write) docs/configuration.md.")
+    parser.add_argument("--write", action="store_true", help=f"write {PAGE.name} in docs/")
+    args = parser.parse_args(argv)
+    if args.write:
+        PAGE.write_text(reference_page(), encoding="utf-8")
+    else:
+        sys.stdout.write(reference_page())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

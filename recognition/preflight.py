@@ -1,0 +1,82 @@
+"""The run's inputs checked before any work (no data generated, no folder indexed, no model
+built, not even torch imported): `data.root`, every evaluation target's files,
+`output_dir`, a `train.resume` path and `train.init_backbone`. Every problem is one line, and
+all are reported at once; `train.py` calls `input_problems` first thing, `train()` calls it
+again (`check_inputs`) for callers that skip `train.py`.
+
+Only what files and folders can tell is checked here; what needs the data read (an index,
+a checkpoint's contents) is checked where it is read, as early as it can be.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from recognition.config import EvalTarget, ExperimentConfig
+from recognition.config.experiment import lies_in
+from recognition.data.formats import resolve_format
+from recognition.data.pairs import load_pairs, resolve_images
+
+
+class InputError(ValueError):
+    """The run's inputs are missing or malformed: one line per problem."""
+
+
+def input_problems(cfg: ExperimentConfig) -> list[str]:
+    """What is missing or malformed among the run's inputs, one line each ([] when none)."""
+    problems = []
+    # What the synthetic set's generation will make is not there yet, and not a problem.
+    pending = cfg.data.synthetic.root if cfg.data.synthetic.enabled else None
+    if pending is None or not lies_in(cfg.data.root, pending):
+        try:
+            resolve_format(cfg.data)
+        except OSError as exc:
+            problems.append(str(exc))
+    if cfg.eval.at_end or cfg.eval.every_steps:
+        for target in cfg.eval.targets or []:
+            files = [p for p in (target.pairs, target.images, target.bin) if p is not None]
+            if pending is not None and any(lies_in(p, pending) for p in files):
+                continue
+            try:
+                check_target(target)
+            except (OSError, ValueError) as exc:
+                problems.append(f"eval.targets: {exc}")
+    if (problem := _output_dir_problem(cfg.run_dir)) is not None:
+        problems.append(problem)
+    resume = cfg.train.resume
+    if isinstance(resume, str) and resume != "auto" and not Path(resume).exists():
+        problems.append(f"train.resume: {resume} does not exist (a checkpoint or run directory)")
+    # A key of the fine-tuning recipe (train.init_backbone), where the config has it.
+    init = getattr(cfg.train, "init_backbone", None)
+    if init is not None and not Path(init).is_file():
+        what = "is a folder, not a file" if Path(init).is_dir() else "does not exist"
+        problems.append(f"train.init_backbone: {init} {what}")
+    return problems
+
+
+def check_target(target: EvalTarget) -> None:
+    """Raise FileNotFoundError / ValueError (naming the file and line) when a target's
+    `.bin` is missing, or its pairs file is missing or malformed or names a missing image."""
+    if target.bin is not None:
+        if not Path(target.bin).is_file():
+            raise FileNotFoundError(f"eval target {target.label}: {target.bin} not found")
+        return
+    assert target.pairs is not None
+    pairs = load_pairs(target.pairs)
+    resolve_images(pairs, Path(target.images) if target.images else Path(target.pairs).parent)
+
+
+def _output_dir_problem(run_dir: Path) -> str | None:
+    """Why the run directory could not be made or written, by the first folder of it that
+    exists; None when it can."""
+    if run_dir.exists() and not run_dir.is_dir():
+        return f"output_dir: {run_dir} is a file; the run directory must be a folder"
+    existing = run_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"output_dir: {existing} is a file, so {run_dir} cannot be made"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"output_dir: cannot write the run directory {run_dir}: {existing} is not writable"
+    return None
