@@ -77,7 +77,11 @@ def test_the_pairs_keep_to_their_folds():
     names = [f"p{i:02d}" for i in range(25)]
     counts = [2 + i % 4 for i in range(25)]
     pair_names, folds = make_holdout_pairs(names, counts)
-    assert pair_names == names and len(folds) == 10
+    # At least 10 people a fold (2 folds of 12-13 here), up to 10 folds.
+    assert pair_names == names and len(folds) == 2
+    for people, num_folds in ((20, 2), (69, 6), (500, 10)):
+        many = [f"q{i:03d}" for i in range(people)]
+        assert len(make_holdout_pairs(many, [3] * people)[1]) == num_folds
     size = dict(zip(names, counts, strict=True))
     seen_by_fold = []
     for same, different in folds:

@@ -7,8 +7,10 @@ nor half of all identities; fewer than 20 that way and nothing is held out (a ve
 of a few people measures nothing). The choice depends on the class names and image counts
 alone: the same on every rank, at any world size, after a resume, whatever `seed`.
 
-**Pairs.** The held-out identities are dealt into up to 10 identity-disjoint folds (as LFW
-View 2); each fold draws the same number of same-identity and different-identity pairs (at
+**Pairs.** The held-out identities are dealt into identity-disjoint folds (as LFW View 2):
+10, or fewer so that each holds at least 10 people (2 folds at 20 people: with 2 people a
+fold, its accuracy would swing with who is in it, and so would the threshold the other
+folds choose); each fold draws the same number of same-identity and different-identity pairs (at
 most 300 of each), from a generator of fixed seed. Images are numbered 1.. in the source's
 order within their identity.
 
@@ -41,6 +43,7 @@ from recognition.data.source import TrainSource
 MIN_HELD_OUT = 20
 """Fewer identities than this and nothing is held out."""
 MAX_FOLDS = 10
+MIN_PEOPLE_PER_FOLD = 10
 MAX_PAIRS_PER_FOLD = 300
 PAIRS_SEED = 20_261_126
 HOLDOUT_DIR = "holdout"
@@ -100,7 +103,7 @@ def make_holdout_pairs(names: Sequence[str], counts: Sequence[int]) -> tuple[lis
     are the held-out classes' names and image counts, in label order."""
     pair_names = safe_names(names)
     order = sorted(range(len(names)), key=lambda i: (name_key(names[i]), pair_names[i]))
-    num_folds = min(MAX_FOLDS, len(names) // 2)
+    num_folds = max(2, min(MAX_FOLDS, len(names) // MIN_PEOPLE_PER_FOLD))
     folds_members = [sorted(order[f::num_folds]) for f in range(num_folds)]
     sizes = [[int(counts[i]) for i in members] for members in folds_members]
     per_fold = min(MAX_PAIRS_PER_FOLD, *(_max_pairs(s) for s in sizes))
