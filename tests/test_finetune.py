@@ -21,7 +21,6 @@ from recognition.config import ConfigError, load_config
 from recognition.data.build import build_train_dataset
 from recognition.distributed import DistInfo
 from recognition.heads import build_head
-from recognition.heads.margin_softmax import WEIGHT_INIT_STD
 from recognition.models import backbone_from_config
 from recognition.models.freeze import freeze_batch_norm
 from recognition.optim import build_optimizer, build_scheduler, param_groups
@@ -169,7 +168,7 @@ class WithoutClass(torch.utils.data.Dataset):
 
 def reference_centroids(cfg, source) -> dict[int, torch.Tensor]:
     """Per class: the normalised mean of its images' normalised float64 embeddings, one
-    image at a time, at the random rows' norm (a plain loop, in float64)."""
+    image at a time (a plain loop, in float64)."""
     backbone = backbone_from_config(cfg.model, cfg.data.image_hw)
     load_init_backbone(backbone, cfg)
     backbone = backbone.double().eval()
@@ -179,8 +178,7 @@ def reference_centroids(cfg, source) -> dict[int, torch.Tensor]:
             image, label = source[index]
             embedding = backbone(image[None].double())[0]
             sums[label] = sums.get(label, 0) + embedding / embedding.norm()
-    norm = WEIGHT_INIT_STD * math.sqrt(cfg.model.embedding_size)
-    return {label: total / total.norm() * norm for label, total in sums.items()}
+    return {label: total / total.norm() for label, total in sums.items()}
 
 
 def _centroid_rank(rank: int, world_size: int, port: int, cfg, reference_path: str) -> None:
