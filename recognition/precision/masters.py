@@ -45,6 +45,15 @@ class MasterWeights:
             if self.keep_masters:
                 self._masters[key] = _make_master(param, (fp32 or {}).get(id(param)))
 
+    def fp32_values(self, module: nn.Module) -> dict[int, Tensor]:
+        """Before the cast, by id of the parameter: the fp32 values `add` gives the masters
+        (O2; empty otherwise). The masters keep what the module holds now (a loaded
+        backbone's weights, train.init_backbone), not their half rounding: each takes over
+        its parameter's fp32 storage, which the cast leaves behind (no copy is made)."""
+        if not self.keep_masters:
+            return {}
+        return {id(p): p.detach() for p in module.parameters() if p.dtype == torch.float32}
+
     def items(self) -> Iterator[tuple[str, nn.Parameter, nn.Parameter]]:
         """(key, model parameter, fp32 master) for each prepared parameter under O2."""
         for key, master in self._masters.items():

@@ -76,14 +76,7 @@ class Precision:
         _check_bare_modules(modules)
         for module in modules:
             _check_on_device(module, self.device)
-            # O2's masters keep the fp32 values the module holds now (a loaded backbone's,
-            # train.init_backbone), not their half rounding: each takes over its parameter's
-            # fp32 storage, which the cast leaves behind (no copy is made).
-            fp32 = {
-                id(p): p.detach()
-                for p in module.parameters()
-                if self._weights.keep_masters and p.dtype == torch.float32
-            }
+            fp32 = self._weights.fp32_values(module)  # taken before the cast, for O2's masters
             casting.cast_module(module, self._level)
             self._weights.add(module, fp32)
 
