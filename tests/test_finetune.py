@@ -356,3 +356,36 @@ def test_centroids_head_only_steps_and_frozen_batch_norm_on_two_ranks(
     assert all(torch.equal(at_2[k], loaded[k]) for k in loaded)
     assert not torch.equal(at_3["conv1.weight"], loaded["conv1.weight"])
     assert all(torch.equal(at_3[k], loaded[k]) for k in loaded if is_batch_norm(loaded, k))
+
+
+# ---------------------------------------------------------------------- the plan
+
+
+def test_the_plan_counts_the_centroid_pass_as_it_runs(image_folder, pretrained, tmp_path):
+    from recognition.heads.margin_softmax import shard_range
+    from recognition.tensor_memory import TensorMemory
+    from recognition.training.plan import plan_run
+    from recognition.training.plan.centroid_pass import plan_centroid_pass
+    from recognition.training.plan_report import format_plan
+
+    cfg = tiny_config(
+        image_folder, tmp_path / "run", f"train.init_backbone={pretrained}", "head.init=centroids"
+    )
+    planned = plan_centroid_pass(cfg, 12, 2, 0, granularity=1)
+    # Measured: the real pass of rank 0 of 2 (its 6 classes), everything made inside the count.
+    source = build_train_dataset(cfg.data)
+    memory = TensorMemory(granularity=1)
+    with memory:
+        backbone = backbone_from_config(cfg.model, cfg.data.image_hw)
+        head = build_head(cfg.head, 12, cfg.model.embedding_size, seed=0, device="cpu")
+        head.class_start, head.num_local = shard_range(12, 2, 0)
+        head.weight = nn.Parameter(head.weight[: head.num_local].detach().clone())
+        info = DistInfo(0, 0, 1, torch.device("cpu"))
+        init_centroids(backbone, head, source, info, batch_size=8, progress=False)
+    # 0.2 % apart here (labels and the small per-batch tensors are not planned).
+    assert abs(planned - memory.peak) / memory.peak < 0.02, (planned, memory.peak)
+    plan = plan_run(cfg, 12, 1, granularity=1)
+    assert plan.ranks[0].centroid_pass > 0
+    assert "head.init=centroids pass" in format_plan(plan)
+    random_rows = dataclasses.replace(cfg, head=dataclasses.replace(cfg.head, init="random"))
+    assert plan_centroid_pass(random_rows, 12, 1, 0, granularity=1) == 0
