@@ -389,3 +389,31 @@ def test_the_plan_counts_the_centroid_pass_as_it_runs(image_folder, pretrained, 
     assert "head.init=centroids pass" in format_plan(plan)
     random_rows = dataclasses.replace(cfg, head=dataclasses.replace(cfg.head, init="random"))
     assert plan_centroid_pass(random_rows, 12, 1, 0, granularity=1) == 0
+
+
+def test_a_trunk_only_file_loads_what_it_has_and_the_embedding_starts_fresh(
+    image_folder, pretrained, tmp_path, caplog
+):
+    # As a classification network's trunk is read (model config "trunk_only"): no embedding
+    # layers, any image size.
+    data = torch.load(pretrained, weights_only=True)
+    trunk = {k: v for k, v in data["state_dict"].items() if not k.startswith(("fc.", "features."))}
+    path = tmp_path / "trunk.pt"
+    torch.save({**data, "model": {**data["model"], "trunk_only": True}, "image_size": 224,
+                "state_dict": trunk}, path)  # fmt: skip
+    cfg = tiny_config(image_folder, tmp_path / "run", f"train.init_backbone={path}")
+    check_init_backbone(path, cfg)
+    torch.manual_seed(3)
+    backbone = backbone_from_config(cfg.model, cfg.data.image_hw)
+    fresh = {k: v.clone() for k, v in backbone.state_dict().items()}
+    with caplog.at_level("INFO"):
+        load_init_backbone(backbone, cfg)
+    loaded = backbone.state_dict()
+    assert all(torch.equal(loaded[k], trunk[k]) for k in trunk)
+    assert all(torch.equal(loaded[k], fresh[k]) for k in loaded if k not in trunk)
+    assert "holds the trunk only; fc, features start from random weights" in caplog.text
+    # A key of the trunk that the backbone lacks is still refused.
+    torch.save({**data, "model": {**data["model"], "trunk_only": True},
+                "state_dict": {**trunk, "head.weight": torch.zeros(2)}}, path)  # fmt: skip
+    with pytest.raises(ConfigError, match="holds 'head.weight'"):
+        check_init_backbone(path, cfg)

@@ -68,8 +68,9 @@ def _read_and_check(
         model_cfg, image_size, state = load_backbone_file(path)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    _check_model(where, model_cfg, image_size, cfg)
     trunk_only = bool(model_cfg.get("trunk_only", False))
+    if not trunk_only:  # a trunk has no embedding, and takes any image size
+        _check_model(where, model_cfg, image_size, cfg)
     check_state_fits(where, backbone.state_dict(), state, trunk_only=trunk_only)
     return trunk_only, state
 
