@@ -331,7 +331,7 @@ def _two_rank_run(
     torch.distributed.destroy_process_group()
 
 
-def test_centroids_head_only_steps_and_frozen_batch_norm_on_two_ranks(
+def test_centroids_head_only_steps_frozen_batch_norm_on_two_ranks_resumed_on_one(
     image_folder, pretrained, tmp_path
 ):
     cfg, reference = saved_reference(image_folder, pretrained, tmp_path)
@@ -356,6 +356,12 @@ def test_centroids_head_only_steps_and_frozen_batch_norm_on_two_ranks(
     assert all(torch.equal(at_2[k], loaded[k]) for k in loaded)
     assert not torch.equal(at_3["conv1.weight"], loaded["conv1.weight"])
     assert all(torch.equal(at_3[k], loaded[k]) for k in loaded if is_batch_norm(loaded, k))
+    # The fine-tuned run resumes on one process (the global batch of 8 kept): its weights come
+    # from the checkpoint (the file is not read again), and it goes on training.
+    resumed = [*overrides, "train.batch_size=8", "train.max_steps=5", "train.resume=true"]
+    train(load_config("default", [*resumed, f"train.init_backbone={tmp_path / 'gone.pt'}"]))
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records][-2:] == [4, 5] and math.isfinite(records[-1]["loss"])
 
 
 # ---------------------------------------------------------------------- the plan
