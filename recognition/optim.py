@@ -3,6 +3,7 @@ constant or step)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -16,18 +17,42 @@ from recognition.config import OptimConfig
 from recognition.sharded import mark_like
 
 
-def param_groups(modules: Iterable[nn.Module], weight_decay: float) -> list[dict]:
+def param_groups(
+    modules: Iterable[nn.Module], weight_decay: float, lr_scales: Sequence[float] | None = None
+) -> list[dict]:
     """Split parameters into a decayed group and a group without weight decay.
 
     Weight decay on BatchNorm scales, PReLU slopes and biases (every parameter with
     ndim <= 1) only fights the normalisation and hurts accuracy, so those go undecayed.
     The margin head's class matrix (2-D) is decayed like any weight.
+
+    `lr_scales` (one per module, e.g. optim.backbone_lr_scale for the backbone and 1 for the
+    head): where they differ, each of the two groups is cut where the scale changes, and a
+    group carries its "lr_scale" (`build_optimizer` multiplies optim.lr by it; the schedule
+    then scales every group alike). The parameters keep the order `param_names` gives, so a
+    checkpoint's optimizer state keyed by index fits whatever the scales.
     """
+    modules = list(modules)
     named = [(str(i), module) for i, module in enumerate(modules)]
     decay, no_decay = _split_decay(named)
-    groups = [{"params": [p for _, p in decay], "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": [p for _, p in no_decay], "weight_decay": 0.0})
+    scales = list(lr_scales) if lr_scales is not None else [1.0] * len(modules)
+    if len(scales) != len(modules):
+        raise ValueError(f"param_groups: {len(scales)} lr scales for {len(modules)} modules")
+    if len(set(scales)) <= 1:
+        groups = [{"params": [p for _, p in decay], "weight_decay": weight_decay}]
+        if no_decay:
+            groups.append({"params": [p for _, p in no_decay], "weight_decay": 0.0})
+        return groups
+    groups = []
+    for params, decay_value in ((decay, weight_decay), (no_decay, 0.0)):
+        # Names are "<module index>.<parameter name>": the index gives the module's scale.
+        def scale_of(item: tuple[str, nn.Parameter]) -> float:
+            return scales[int(item[0].split(".", 1)[0])]
+
+        for scale, run in itertools.groupby(params, key=scale_of):
+            groups.append(
+                {"params": [p for _, p in run], "weight_decay": decay_value, "lr_scale": scale}
+            )
     return groups
 
 
@@ -64,11 +89,26 @@ def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimiz
     the default implementation is used instead.
     """
     fused = fused_is_sound([p for group in groups for p in group["params"]])
+    # A group's own lr (its fraction of optim.lr): LambdaLR keeps each group's as its base.
+    groups = [
+        {**group, "lr": cfg.lr * group["lr_scale"]} if "lr_scale" in group else group
+        for group in groups
+    ]
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
     raise ValueError(f"optim.name: unknown optimizer {cfg.name!r}")
+
+
+def scheduled_lr(optimizer: torch.optim.Optimizer) -> float:
+    """optim.lr as the schedule has it now: the lr of a group at its full rate (the head's),
+    or a scaled group's lr divided by its "lr_scale" (`param_groups`)."""
+    for group in optimizer.param_groups:
+        scale = group.get("lr_scale", 1.0)
+        if scale > 0:
+            return group["lr"] / scale
+    return 0.0
 
 
 # The first torch release whose CPU fused SGD was checked right on half parameters: on 2.11

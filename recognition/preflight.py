@@ -47,11 +47,14 @@ def input_problems(cfg: ExperimentConfig) -> list[str]:
     resume = cfg.train.resume
     if isinstance(resume, str) and resume != "auto" and not Path(resume).exists():
         problems.append(f"train.resume: {resume} does not exist (a checkpoint or run directory)")
-    # A key of the fine-tuning recipe (train.init_backbone), where the config has it.
-    init = getattr(cfg.train, "init_backbone", None)
-    if init is not None and not Path(init).is_file():
-        what = "is a folder, not a file" if Path(init).is_dir() else "does not exist"
-        problems.append(f"train.init_backbone: {init} {what}")
+    # A resumed run takes its backbone from the checkpoint and never reads this file (with
+    # train.resume=auto and no checkpoint yet, the run checks it before building anything).
+    init = cfg.train.init_backbone
+    if init is not None and resume is False and not Path(init).exists():
+        problems.append(
+            f"train.init_backbone: {init} does not exist (a backbone file or a training "
+            "checkpoint directory)"
+        )
     return problems
 
 

@@ -149,12 +149,29 @@ def test_o2_optimizer_owns_fp32_masters() -> None:
     assert len(owned) == len(model_params)
     for param, master in zip(model_params, owned, strict=True):
         assert master.dtype == torch.float32
-        assert torch.equal(master, param.float())
+        # The half weight is its master rounded (the master keeps the fp32 value it had).
+        assert torch.equal(master.to(param.dtype), param)
         # Half weights get a separate master; fp32 BatchNorm weights are their own.
         assert (master is param) == (param.dtype == torch.float32)
     assert sum(m is not p for p, m in zip(model_params, owned, strict=True)) == 5
     # Other keys of each group survive the mapping.
     assert [g["weight_decay"] for g in optimizer.param_groups] == [1e-4, 0.0]
+
+
+def test_o2_masters_keep_the_fp32_weights_the_module_had() -> None:
+    # A loaded backbone (train.init_backbone) must not lose its fp32 bits to the half cast.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    precision = Precision("O2", "bf16", CPU)
+    precision.prepare(model)
+    optimizer = torch.optim.SGD(precision.param_groups([{"params": model.parameters()}]), lr=0.1)
+    for (name, param), master in zip(
+        model.named_parameters(), optimizer_params(optimizer), strict=True
+    ):
+        assert torch.equal(master, before[name]), name
+        assert param.dtype == (torch.float32 if name.startswith("1.") else torch.bfloat16)
+    assert not torch.equal(model[0].weight.float(), before["0.weight"])  # rounded
 
 
 def test_o2_rejects_unprepared_params_and_wrong_optimizer() -> None:

@@ -52,14 +52,23 @@ def test_every_problem_is_one_line(tmp_path, monkeypatch, capsys):
     assert all(line.startswith("error: ") for line in lines) and "pairs.txt" in lines[1]
 
 
-def test_init_backbone_where_the_config_has_it(tmp_path):
-    """train.init_backbone (the fine-tuning recipe's key) is checked when the config has it."""
-    cfg = load_config("default", [f"output_dir={tmp_path / 'run'}"])
-    assert input_problems(cfg) == []  # the synthetic set to be generated is no problem
-    object.__setattr__(cfg.train, "init_backbone", str(tmp_path / "backbone.pt"))
+def test_init_backbone_is_checked_unless_the_run_resumes(tmp_path):
+    """A missing train.init_backbone is one line; a folder (a training checkpoint) is a
+    backbone file too; a resumed run never reads it, so it is not checked then."""
+    missing = tmp_path / "backbone.pt"
+    cfg = load_config(
+        "default", [f"output_dir={tmp_path / 'run'}", f"train.init_backbone={missing}"]
+    )
     assert input_problems(cfg) == [
-        f"train.init_backbone: {tmp_path / 'backbone.pt'} does not exist"
+        f"train.init_backbone: {missing} does not exist (a backbone file or a training "
+        "checkpoint directory)"
     ]
+    (tmp_path / "step_00000010").mkdir()
+    folder = load_config("default", [f"train.init_backbone={tmp_path / 'step_00000010'}"])
+    assert input_problems(folder) == []
+    for resume in ("true", "auto"):
+        again = load_config("default", [f"train.init_backbone={missing}", f"train.resume={resume}"])
+        assert input_problems(again) == []
 
 
 def test_train_checks_before_building(tmp_path, monkeypatch):

@@ -39,6 +39,7 @@ class ExperimentConfig:
             check_fused_update(self)
         if self.model.pipeline_stages > 1:
             check_pipeline(self)
+        check_finetune(self)
         late = [e for e in self.optim.milestones if e >= self.train.epochs]
         if late:
             raise ConfigError(
@@ -128,6 +129,31 @@ def check_fused_update(cfg: ExperimentConfig) -> None:
         )
     if conflicts:
         raise ConfigError("head.fused_update=true cannot be combined with " + "; ".join(conflicts))
+
+
+def check_finetune(cfg: ExperimentConfig) -> None:
+    """Refuse the fine-tuning settings (docs/finetune.md) that cannot work together."""
+    if cfg.head.init == "centroids" and cfg.train.init_backbone is None:
+        raise ConfigError(
+            "head.init=centroids: the class rows are the mean embeddings under a loaded "
+            "backbone; set train.init_backbone=PATH (or head.init=random)"
+        )
+    if cfg.model.pipeline_stages > 1:
+        used = [
+            name
+            for name, on in (
+                ("train.init_backbone", cfg.train.init_backbone is not None),
+                ("head.init=centroids", cfg.head.init == "centroids"),
+                ("model.freeze_bn=true", cfg.model.freeze_bn),
+                ("train.head_only_steps", cfg.train.head_only_steps > 0),
+            )
+            if on
+        ]
+        if used:
+            raise ConfigError(
+                f"model.pipeline_stages={cfg.model.pipeline_stages} cannot be combined with "
+                f"{', '.join(used)} (fine-tuning runs the whole backbone on every rank)"
+            )
 
 
 def check_pipeline(cfg: ExperimentConfig) -> None:

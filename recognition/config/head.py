@@ -35,6 +35,13 @@ class HeadConfig:
     t_alpha: float | None = None
     """AdaFace: weight of each batch in the running norm statistics, in [0, 1]; None takes
     0.01. Only with margin=adaface."""
+    init: Literal["random", "centroids"] = "random"
+    """How the class rows start: random (drawn from the seed, the same on any number of
+    ranks), or centroids: each row is the normalised mean of the L2-normalised embeddings of
+    its class's training images under the loaded backbone (one pass over the training data
+    before step 1, un-augmented, the backbone in eval mode; each rank embeds only the images
+    of its own classes). Needs train.init_backbone; a resumed run takes its rows from the
+    checkpoint."""
     sample_rate: float = 1.0
     """Fraction of the negative classes each rank samples per step (Partial FC)."""
     chunk_size: int | None = None

@@ -26,6 +26,12 @@ class ModelConfig:
     over the global batch instead of each rank's (with pipeline stages: over the
     data-parallel ranks of a stage, per micro-batch). Needs GPUs (torch's SyncBatchNorm
     does not run on CPU)."""
+    freeze_bn: bool = False
+    """Freeze every BatchNorm of the backbone: its running statistics stay as loaded (the
+    layers run in eval mode even while the model trains) and its affine weights and biases
+    get no gradient and no optimizer state. For fine-tuning a loaded backbone
+    (train.init_backbone) on batches too small or too unlike its training data for good batch
+    statistics. Not with model.pipeline_stages > 1."""
     pipeline_stages: int = 1
     """Cut the backbone into this many stages, one per rank, run as a pipeline over
     micro-batches (torch.distributed.pipelining); the world size must be a multiple of it

@@ -39,6 +39,10 @@ class OptimConfig:
     """schedule=step: the factor applied at each milestone, in (0, 1]."""
     grad_clip: float | None = 5.0
     """Max global gradient norm; null disables clipping."""
+    backbone_lr_scale: float = 1.0
+    """The backbone's learning rate as a fraction of the head's (optim.lr and its schedule
+    apply to both): below 1 a loaded backbone (train.init_backbone) moves more slowly than the
+    new head; 0 keeps its weights where they are."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -53,6 +57,10 @@ class OptimConfig:
             raise ConfigError("optim.min_lr: must lie in [0, optim.lr]")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError("optim.grad_clip: must be positive (or null to disable)")
+        if not 0.0 <= self.backbone_lr_scale <= 1e3:
+            raise ConfigError(
+                f"optim.backbone_lr_scale: {self.backbone_lr_scale} is outside [0, 1000]"
+            )
         if self.milestones and self.schedule != "step":
             raise ConfigError(
                 f"optim.milestones: only used with optim.schedule=step (it is {self.schedule})"

@@ -28,6 +28,15 @@ class TrainConfig:
     """false: start (refusing to overwrite a run directory holding checkpoints); true: the
     latest checkpoint of the run directory; auto: the latest if there is one, else start (for
     torchrun --max-restarts); a path: that checkpoint directory."""
+    init_backbone: str | None = None
+    """A backbone file to start from (fine-tuning, docs/finetune.md): a backbone export
+    (backbone.pt) or a training checkpoint directory. Loaded before step 1 of a fresh run,
+    strictly (every key and shape must fit model.* and data.image_size); a resumed run takes
+    its weights from its checkpoint instead. null: the backbone starts from random weights."""
+    head_only_steps: int = 0
+    """Train the head alone for this many optimizer steps (the backbone runs in eval mode
+    without gradients, its weights and statistics unchanged), then everything; counted
+    from the run's first step, so a run resumed before step K goes on head-only."""
     device: str = "auto"
     """auto (the GPU of the process's local rank when there is one, else the CPU), cpu or
     cuda."""
@@ -93,6 +102,12 @@ class TrainConfig:
             raise ConfigError("train.dist_backend: nccl needs train.device=cuda (or auto)")
         if not self.timeout_s > 0:
             raise ConfigError(f"train.timeout_s: must be positive, got {self.timeout_s}")
+        if self.head_only_steps < 0:
+            raise ConfigError(
+                f"train.head_only_steps: must be 0 or more, got {self.head_only_steps}"
+            )
+        if self.init_backbone is not None and not self.init_backbone:
+            raise ConfigError("train.init_backbone: empty path (use a file, a directory or null)")
         if isinstance(self.resume, str) and not self.resume:
             raise ConfigError("train.resume: empty path (use true, false, auto or a path)")
         for name in self.stop_signals:

@@ -28,8 +28,11 @@ class MasterWeights:
         self._num_modules = 0
         self._checked_optimizers: set[int] = set()
 
-    def add(self, module: nn.Module) -> None:
-        """Record `module`'s parameters (already cast) under the next module index."""
+    def add(self, module: nn.Module, fp32: dict[int, Tensor] | None = None) -> None:
+        """Record `module`'s parameters (already cast) under the next module index.
+
+        `fp32`: by id of the parameter, its fp32 value before the cast, which its master
+        takes (exact); a parameter without one gets the fp32 copy of its half value."""
         index = self._num_modules
         self._num_modules += 1
         seen = {id(p) for p in self.params.values()}
@@ -40,7 +43,16 @@ class MasterWeights:
             key = f"{index}.{name}"
             self.params[key] = param
             if self.keep_masters:
-                self._masters[key] = _make_master(param)
+                self._masters[key] = _make_master(param, (fp32 or {}).get(id(param)))
+
+    def fp32_values(self, module: nn.Module) -> dict[int, Tensor]:
+        """Before the cast, by id of the parameter: the fp32 values `add` gives the masters
+        (O2; empty otherwise). The masters keep what the module holds now (a loaded
+        backbone's weights, train.init_backbone), not their half rounding: each takes over
+        its parameter's fp32 storage, which the cast leaves behind (no copy is made)."""
+        if not self.keep_masters:
+            return {}
+        return {id(p): p.detach() for p in module.parameters() if p.dtype == torch.float32}
 
     def items(self) -> Iterator[tuple[str, nn.Parameter, nn.Parameter]]:
         """(key, model parameter, fp32 master) for each prepared parameter under O2."""
@@ -170,13 +182,17 @@ class MasterWeights:
         return {id(param): master for _, param, master in self.items()}
 
 
-def _make_master(param: nn.Parameter) -> nn.Parameter:
-    """The fp32 parameter the optimizer steps in place of `param` (itself if already fp32)."""
+def _make_master(param: nn.Parameter, fp32: Tensor | None = None) -> nn.Parameter:
+    """The fp32 parameter the optimizer steps in place of `param` (itself if already fp32):
+    `fp32` (its value before the cast) when given, else a copy of its half value."""
     if param.dtype == torch.float32:
         return param
-    master = nn.Parameter(
-        param.detach().to(torch.float32).clone(), requires_grad=param.requires_grad
-    )
+    if fp32 is not None and fp32.shape == param.shape:
+        master = nn.Parameter(fp32, requires_grad=param.requires_grad)
+    else:
+        master = nn.Parameter(
+            param.detach().to(torch.float32).clone(), requires_grad=param.requires_grad
+        )
     copy_placement(master, param)  # a master of sharded rows is sharded alike
     return master
 

@@ -76,8 +76,9 @@ class Precision:
         _check_bare_modules(modules)
         for module in modules:
             _check_on_device(module, self.device)
+            fp32 = self._weights.fp32_values(module)  # taken before the cast, for O2's masters
             casting.cast_module(module, self._level)
-            self._weights.add(module)
+            self._weights.add(module, fp32)
 
     def param_groups(self, groups: list[dict]) -> list[dict]:
         """Map optimizer groups onto the parameters the optimizer must own.

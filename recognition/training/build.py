@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Sampler
 
 from recognition import distributed
@@ -46,7 +45,8 @@ from recognition.distributed import DistInfo
 from recognition.evaluation.run import check_training_targets, run_targets
 from recognition.heads import ShardedMarginSoftmax, build_head
 from recognition.models import backbone_from_config
-from recognition.models.cpu_layout import channels_last_refusal, cpu_compile_options
+from recognition.models.cpu_layout import channels_last_refusal
+from recognition.models.freeze import freeze_batch_norm
 from recognition.optim import (
     OptimizerState,
     build_optimizer,
@@ -67,11 +67,14 @@ from recognition.pipeline import (
 )
 from recognition.precision import Precision, StepResult
 from recognition.training.errors import TrainingError
+from recognition.training.finetune import start_from_file
+from recognition.training.head_only import HeadOnlyGate
 from recognition.training.holdout import hold_out, holdout_wanted
 from recognition.training.parts import ModelParts
 from recognition.training.pipeline_step import PipelineStep, build_pipeline_step
 from recognition.training.state import Progress, RngState
 from recognition.training.step import train_step
+from recognition.training.wrapping import compile_model, wrap_model
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +264,13 @@ def build(
     )
     memory_format = torch.channels_last if cfg.data.channels_last else torch.preserve_format
     loader = _build_loader(cfg, dist_info, source, batches, layout, data.decode, memory_format)
-    parts = build_model(cfg, dist_info, source.num_classes, layout, memory_format)
+    # A resumed run's weights and rows come from its checkpoint: nothing to start from.
+    start = None
+    if cfg.train.init_backbone is not None and not resuming:
+        start = partial(start_from_file, cfg, dist_info, source)
+    elif cfg.train.init_backbone is not None:
+        log.info("train.init_backbone: not loaded, the run resumes from its checkpoint")
+    parts = build_model(cfg, dist_info, source.num_classes, layout, memory_format, start=start)
     optimizer = parts.optimizer
     total_steps = cfg.train.epochs * steps_per_epoch
     warmup_steps = round(cfg.optim.warmup_epochs * steps_per_epoch)
@@ -271,6 +280,9 @@ def build(
         global_batch=global_batch(cfg, num_replicas),
         world_size=dist_info.world_size,
     )
+    model, head_only = parts.model, cfg.train.head_only_steps
+    if head_only > 0:
+        model = HeadOnlyGate(model, lambda: progress.step < head_only)
     return Run(
         cfg=cfg,
         dist_info=dist_info,
@@ -278,7 +290,7 @@ def build(
         batches=batches,
         loader=loader,
         backbone=parts.backbone,
-        model=parts.model,
+        model=model,
         head=parts.head,
         precision=parts.precision,
         optimizer=optimizer,
@@ -308,6 +320,7 @@ def build_model(
     *,
     wrap: Wrapper | None = None,
     local_plan: StagePlan | None = None,
+    start: Callable[[nn.Module, ShardedMarginSoftmax], None] | None = None,
 ) -> ModelParts:
     """This rank's model, head shard, precision and optimizer for `num_classes` classes.
 
@@ -318,7 +331,9 @@ def build_model(
     does. `local_plan` (pipelines): the cut of the backbone made beforehand
     (`pipeline.stage_plan`), the stage's micro-batch shapes then found on this rank
     (`pipeline.local_stage_io`) rather than from the other stages; what the run planner
-    gives, whose other ranks are not there to ask. None: as training does.
+    gives, whose other ranks are not there to ask. None: as training does. `start` sets
+    the fp32 backbone's and head's weights before they are cast and wrapped (fine-tuning:
+    `recognition.training.finetune`); None keeps the random ones.
     """
     precision = Precision(
         cfg.precision.level,
@@ -329,9 +344,11 @@ def build_model(
     )
     if layout is None:
         backbone, head = _build_model(cfg, dist_info, num_classes, memory_format)
+        if start is not None:
+            start(backbone, head)
         precision.prepare(backbone, head)
         if wrap is None:
-            model = _wrap_model(cfg, dist_info, backbone)
+            model = wrap_model(cfg, dist_info, backbone)
         else:
             model = wrap(cfg, dist_info, backbone)
         step: Callable[..., StepResult] = train_step
@@ -341,7 +358,9 @@ def build_model(
             cfg, dist_info, layout, num_classes, memory_format, precision, wrap, local_plan
         )
     parts = [backbone] if head is None else [backbone, head]
-    groups = param_groups(parts, cfg.optim.weight_decay)
+    # The backbone at its fraction of the head's learning rate (optim.backbone_lr_scale).
+    scales = [cfg.optim.backbone_lr_scale, 1.0][: len(parts)]
+    groups = param_groups(parts, cfg.optim.weight_decay, scales)
     optimizer = build_optimizer(precision.param_groups(groups), cfg.optim)
     # Partial FC: the optimizer must only move the class rows sampled for the step (under
     # O2 it steps the fp32 master of the head's weight, not the half weight itself).
@@ -382,33 +401,6 @@ def _build_loader(
         memory_format=memory_format,
         generator=generator,
     )
-
-
-def _wrap_model(cfg: ExperimentConfig, dist_info: DistInfo, backbone: nn.Module) -> nn.Module:
-    # The backbone is replicated: DDP broadcasts rank 0's weights now and averages the
-    # gradients in backward. The head is not wrapped: its shard is this rank's alone.
-    model: nn.Module = backbone
-    if dist_info.is_distributed:
-        device = dist_info.device
-        model = DistributedDataParallel(
-            backbone, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    if cfg.train.compile:
-        # Compiled over the DDP wrapper, so that DDP's optimizer splits the graph at its
-        # gradient buckets and all-reduces overlap the backward pass.
-        model = compile_model(model, cfg, dist_info.device)
-    return model
-
-
-def compile_model(model: nn.Module, cfg: ExperimentConfig, device: torch.device) -> nn.Module:
-    """`model` under torch.compile with train.compile_mode and train.compile_backend, for
-    training on `device`."""
-    backend, mode = cfg.train.compile_backend, cfg.train.compile_mode
-    if backend == "inductor" and device.type == "cpu":
-        # No layout optimisation on a CPU: it would make the convolutions channels-last and
-        # reach oneDNN's broken weight gradient (recognition.models.cpu_layout).
-        return torch.compile(model, backend=backend, options=cpu_compile_options(mode))
-    return torch.compile(model, mode=mode, backend=backend)
 
 
 def _check_backbone(cfg: ExperimentConfig, dist_info: DistInfo) -> None:
@@ -496,6 +488,8 @@ def _build_model(
                 "it (model.sync_bn=false)"
             )
         backbone = nn.SyncBatchNorm.convert_sync_batchnorm(backbone)
+    if cfg.model.freeze_bn:
+        log.info("model.freeze_bn: %d BatchNorm layers frozen", freeze_batch_norm(backbone))
     backbone = _to_device(backbone, device, memory_format)
     # Each rank builds only its shard of the class matrix (the head reads rank and world
     # size from the process group), drawn so that the whole matrix is the same on any

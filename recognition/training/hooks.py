@@ -38,6 +38,7 @@ from recognition.evaluation.run import (
     write_json,
 )
 from recognition.logging import MetricsWriter
+from recognition.optim import scheduled_lr
 from recognition.precision import StepResult
 from recognition.training.build import Run, TrainingError
 
@@ -208,7 +209,7 @@ class LogWindow(Hook):
             return
         step = run.progress.step
         values = self.flush(run.dist_info)
-        values.update(epoch=run.progress.epoch, lr=run.optimizer.param_groups[0]["lr"])
+        values.update(epoch=run.progress.epoch, lr=scheduled_lr(run.optimizer))
         self.metrics.log(step, values)
         log.info(
             "step %d/%d epoch %d loss %.4f lr %.4g %.1f samples/s",

@@ -35,6 +35,7 @@ from recognition.preflight import InputError, input_problems
 from recognition.training.build import Run, TrainingError, build, build_data
 from recognition.training.determinism import deterministic_mode
 from recognition.training.hooks import Hook, default_hooks
+from recognition.training.init_backbone import check_init_backbone
 from recognition.training.resume import resume, resume_path
 from recognition.training.state import seed_everything
 from recognition.training.stopping import (
@@ -128,6 +129,9 @@ def build_run(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> 
     """`build`, with the memory check of a GPU run (train.memory_check) between the data,
     which gives the class count, and the model: a run whose plan does not fit stops on
     every rank before anything of its size is allocated or written (collective)."""
+    if cfg.train.init_backbone is not None and not resuming:
+        # Before the data and the model: a file that does not fit stops the run at once.
+        check_init_backbone(cfg.train.init_backbone, cfg)
     data = build_data(cfg, dist_info)
     if cfg.train.memory_check and dist_info.device.type == "cuda":
         # Imported here: only a GPU run plans, and the planner (fake tensors) costs an import.

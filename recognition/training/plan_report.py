@@ -85,6 +85,12 @@ def format_plan(plan: RunPlan) -> str:
         ("gradients at peak", [format_bytes(r.gradients) for r in plan.ranks]),
         ("activations at peak", [format_bytes(r.activations) for r in plan.ranks]),
         ("peak", [f"{format_bytes(r.peak)} ({r.phase})" for r in plan.ranks]),
+    ]
+    if any(r.centroid_pass for r in plan.ranks):
+        rows.append(
+            ("head.init=centroids pass", [format_bytes(r.centroid_pass) for r in plan.ranks])
+        )
+    rows += [
         ("step FLOPs, backbone", [_flops(r.flops_backbone) for r in plan.ranks]),
         ("step FLOPs, head", [_flops(r.flops_head) for r in plan.ranks]),
     ]

@@ -60,8 +60,10 @@ def train_step(
     tensors (`StepResult`); nothing is read on the host.
     """
     num_micro = len(micro_batches)
-    # A compiled model keeps its DDP wrapper inside (torch.compile's OptimizedModule).
-    is_ddp = isinstance(getattr(backbone, "_orig_mod", backbone), DistributedDataParallel)
+    # The head-only gate (train.head_only_steps) holds the model; a compiled model keeps its
+    # DDP wrapper inside (torch.compile's OptimizedModule).
+    syncing = getattr(backbone, "wrapped", backbone)
+    is_ddp = isinstance(getattr(syncing, "_orig_mod", syncing), DistributedDataParallel)
     # head.fused_update steps the class rows inside backward, where no mask can reach: the
     # loss must be known finite on the host before (one sync per step, that mode only).
     checks_loss_on_host = getattr(head, "updates_in_backward", False)
@@ -70,7 +72,7 @@ def train_step(
     for index, (images, labels) in enumerate(micro_batches):
         # DDP would all-reduce after every backward; the sum is only needed after the last.
         defer_sync = is_ddp and index < num_micro - 1
-        with backbone.no_sync() if defer_sync else contextlib.nullcontext():  # type: ignore[operator]
+        with syncing.no_sync() if defer_sync else contextlib.nullcontext():  # type: ignore[operator]
             with precision.autocast():
                 embeddings = backbone(precision.cast_inputs(images))  # (B, D)
                 loss = head(embeddings, labels)  # same scalar on every rank

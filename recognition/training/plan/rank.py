@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from recognition.config import ExperimentConfig
 from recognition.heads import shard_range
 from recognition.tensor_memory import CUDA_BLOCK_BYTES
+from recognition.training.plan.centroid_pass import plan_centroid_pass
 from recognition.training.plan.fake import PlanError, fake_step
 
 
@@ -72,6 +73,9 @@ class RankPlan:
     flops_head: int
     bound_s: dict[str, float] = field(default_factory=dict)
     """Roofline lower bound of the step time per device (`roofline.DEVICES`)."""
+    centroid_pass: int = 0
+    """Peak of head.init=centroids's pass over the data before step 1 (0 without it);
+    `peak` is the larger of the two."""
 
 
 @dataclass
@@ -136,6 +140,10 @@ def plan_rank(
     parts, at_peak, cost = step.parts, step.at_peak, step.cost
     stage = rank % cfg.model.pipeline_stages if cfg.model.pipeline_stages > 1 else None
     head_flops = step.flops_in("ShardedMarginSoftmax")
+    centroids = plan_centroid_pass(cfg, num_classes, world_size, rank, granularity=granularity)
+    peak, phase = step.peak, step.phase_at_peak
+    if centroids > peak:
+        peak, phase = centroids, "centroid pass"
     return RankPlan(
         rank=rank,
         stage=stage,
@@ -146,11 +154,12 @@ def plan_rank(
         optimizer_state=at_peak.get("optimizer_state", 0),
         gradients=at_peak.get("gradients", 0),
         activations=step.peak - step.state_at_peak if detailed else 0,
-        peak=step.peak,
-        phase=step.phase_at_peak,
+        peak=peak,
+        phase=phase,
         flops_backbone=(cost.flops - head_flops) if cost is not None else 0,
         flops_head=head_flops,
         bound_s=dict(cost.bound_s) if cost is not None else {},
+        centroid_pass=centroids,
     )
 
 
