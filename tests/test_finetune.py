@@ -423,3 +423,22 @@ def test_a_trunk_only_file_loads_what_it_has_and_the_embedding_starts_fresh(
                 "state_dict": {**trunk, "head.weight": torch.zeros(2)}}, path)  # fmt: skip
     with pytest.raises(ConfigError, match="holds 'head.weight'"):
         check_init_backbone(path, cfg)
+
+
+def test_an_arcface_torch_state_dict_starts_the_run_with_its_weights(
+    image_folder, pretrained, tmp_path
+):
+    # arcface_torch saves `backbone.state_dict()` alone, in fp16 after mixed-precision
+    # training; the project's IResNet has its layout, so the same weights must load.
+    state = torch.load(pretrained, weights_only=True)["state_dict"]
+    path = tmp_path / "model.pt"
+    torch.save({k: v.half() if v.is_floating_point() else v for k, v in state.items()}, path)
+    cfg = tiny_config(image_folder, tmp_path / "run", f"train.init_backbone={path}")
+    check_init_backbone(path, cfg)
+    backbone = backbone_from_config(cfg.model, cfg.data.image_hw)
+    load_init_backbone(backbone, cfg)
+    loaded = backbone.state_dict()
+    assert loaded.keys() == state.keys()
+    for key, value in state.items():
+        expected = value.half().float() if value.is_floating_point() else value
+        assert torch.equal(loaded[key], expected), key
