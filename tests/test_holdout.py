@@ -115,6 +115,17 @@ def test_training_subset_has_no_held_out_label(faces):
     assert np.array_equal(np.unique(subset.labels), np.arange(subset.num_classes))
 
 
+def test_the_plan_counts_the_classes_the_head_will_have(faces):
+    """`train.py --plan` without --classes: the trained identities, not the held-out ones."""
+    from recognition.training.plan_report import dataset_classes
+
+    cfg = load_config("default", [f"data.root={faces}"])
+    assert dataset_classes(cfg) == NUM_PEOPLE - MIN_HELD_OUT
+    assert dataset_classes(load_config("default", [f"data.root={faces}", "eval.holdout=0"])) == (
+        NUM_PEOPLE
+    )
+
+
 def test_rank_one_of_two_holds_out_the_same_people_and_writes_nothing(faces, tmp_path):
     cfg = load_config("default", [f"data.root={faces}", f"output_dir={tmp_path / 'run'}"])
     rank0 = build_train_dataset(cfg.data)

@@ -36,16 +36,21 @@ def dataset_classes(cfg: ExperimentConfig) -> int:
     """The class count of the config's training data, without loading or generating it.
 
     The built-in synthetic set not generated yet: its spec's identities. Otherwise the
-    data set's index (an image folder's cached index is built first if missing).
+    data set's index (an image folder's cached index is built first if missing), less the
+    identities eval.holdout keeps out of training (the head has no rows for them).
     Raises OSError naming data.root when the data is not on this machine.
     """
     synthetic = cfg.data.synthetic
     root = Path(cfg.data.root)
     if synthetic.enabled and root == Path(synthetic.root) / "train" and not root.exists():
         return synthetic.num_identities
-    from recognition.data.build import build_train_dataset
+    from recognition.data.build import build_train_dataset, resolve_format
+    from recognition.training.holdout import holdout_split, holdout_wanted
 
-    return build_train_dataset(cfg.data).num_classes
+    source = build_train_dataset(cfg.data)
+    if not holdout_wanted(cfg, resolve_format(cfg.data)):
+        return source.num_classes
+    return source.num_classes - len(holdout_split(source, cfg.eval.holdout).held_out)
 
 
 def run_plan_command(
