@@ -121,24 +121,25 @@ def export_arcface_torch(backbone: nn.Module, path: Path) -> None:
     layers = tuple(len(getattr(backbone, f"layer{i}")) for i in range(1, 5))
     # get_model calls iresnet50 "r50".
     name = next(f"r{n.removeprefix('iresnet')}" for n, v in IRESNET_LAYERS.items() if v == layers)
-    log.info(
-        "wrote %s: get_model(%r, num_features=%d) loads it",
-        path,
-        name,
-        backbone.embedding_size,
-    )
     stem = state["conv1.weight"].shape[0]
-    if stem != STEM_CHANNELS or backbone.image_size != (112, 112):
-        height, width = backbone.image_size
-        log.warning(
-            "%s: a model of %d stem channels for %dx%d inputs; arcface_torch builds %d for "
-            "112x112 only, so its get_model will not take this file (this project reads it)",
+    if stem == STEM_CHANNELS and backbone.image_size == (112, 112):
+        log.info(
+            "wrote %s: get_model(%r, num_features=%d) loads it",
             path,
-            stem,
-            height,
-            width,
-            STEM_CHANNELS,
+            name,
+            backbone.embedding_size,
         )
+        return
+    height, width = backbone.image_size
+    log.warning(
+        "wrote %s: a model of %d stem channels for %dx%d inputs; arcface_torch builds %d for "
+        "112x112 only, so its get_model will not take this file (this project reads it)",
+        path,
+        stem,
+        height,
+        width,
+        STEM_CHANNELS,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
