@@ -214,3 +214,57 @@ def test_a_folder_run_verifies_on_its_held_out_people(faces, tmp_path, monkeypat
     cfg = load_config("default", [*overrides, "train.resume=true"])
     with pytest.raises(TrainingError, match="holdout/pairs.txt is not the held-out pairs"):
         hold_out(cfg, DistInfo(), build_train_dataset(cfg.data))
+
+
+def _two_rank_folder_run(rank: int, world_size: int, port: int, overrides: list[str]) -> None:
+    import helpers
+    import torch.distributed as dist
+
+    from recognition.training import loop
+
+    helpers.init_gloo_rank(rank, world_size, port)
+    real_build = loop.build
+    seen: list[np.ndarray] = []
+
+    def recording_build(*args, **kwargs):  # every label this rank's loader yields
+        run = real_build(*args, **kwargs)
+        loader = run.loader
+        run.loader = (batch for batch in loader if not seen.append(batch[1].numpy()))
+        return run
+
+    loop.build = recording_build
+    loop.train(load_config("default", overrides))
+    out = Path(next(o for o in overrides if o.startswith("output_dir=")).split("=", 1)[1])
+    np.save(out / f"labels_rank{rank}.npy", np.concatenate(seen))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_hold_out_the_same_people_and_never_train_on_them(faces, tmp_path):
+    """At world size 2 (gloo): one split for both ranks, the pairs file a single-process
+    computation of the split and its pairs gives, and no held-out label in either rank's
+    batches."""
+    import helpers
+    import torch.multiprocessing as mp
+
+    from recognition.data.holdout import pairs_text
+
+    out = tmp_path / "run"
+    overrides = [
+        f"data.root={faces}", f"output_dir={out}", "data.image_size=32", "data.num_workers=0",
+        "model.width=0.0625", "model.embedding_size=16", "train.batch_size=4",
+        "train.progress=false", "train.max_steps=3", "eval.batch_size=64",
+    ]  # fmt: skip
+    mp.spawn(_two_rank_folder_run, args=(2, helpers.free_port(), overrides), nprocs=2)
+
+    source = build_train_dataset(load_config("default", [f"data.root={faces}"]).data)
+    split = holdout_split(source, 0.05)
+    names = [source.class_name(int(c)) for c in split.held_out]
+    counts = np.bincount(np.asarray(source.labels))[split.held_out]
+    assert (out / "holdout" / "pairs.txt").read_text() == pairs_text(
+        make_holdout_pairs(names, counts)[1]
+    )
+    classes = (out / "classes.txt").read_text().split()
+    assert len(classes) == NUM_PEOPLE - MIN_HELD_OUT and not set(names) & set(classes)
+    for rank in (0, 1):
+        labels = np.load(out / f"labels_rank{rank}.npy")
+        assert len(labels) == 3 * 4 and not set(names) & {classes[label] for label in labels}
