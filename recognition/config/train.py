@@ -30,9 +30,11 @@ class TrainConfig:
     torchrun --max-restarts); a path: that checkpoint directory."""
     init_backbone: str | None = None
     """A backbone file to start from (fine-tuning, docs/finetune.md): a backbone export
-    (backbone.pt) or a training checkpoint directory. Loaded before step 1 of a fresh run,
-    strictly (every key and shape must fit model.* and data.image_size); a resumed run takes
-    its weights from its checkpoint instead. null: the backbone starts from random weights."""
+    (backbone.pt), a training checkpoint directory, an arcface_torch IResNet state dict
+    (backbone.pth, model.pt) or a torchvision ResNet-50 one (its trunk; the embedding starts
+    fresh). Loaded before step 1 of a fresh run, strictly (every key and shape must fit
+    model.* and data.image_size); a resumed run takes its weights from its checkpoint
+    instead. null: the backbone starts from random weights."""
     head_only_steps: int = 0
     """Train the head alone for this many optimizer steps (the backbone runs in eval mode
     without gradients, its weights and statistics unchanged), then everything; counted
