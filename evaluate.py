@@ -14,10 +14,9 @@
 CKPT is a run's backbone.pt or any of its training checkpoints, an arcface_torch IResNet
 state dict (backbone.pth, model.pt), a torchvision ResNet-50 state dict (re-id), or an ONNX
 model (run by onnxruntime; its input normalisation --onnx-mean, --onnx-std, --onnx-bgr).
-`--roc roc.png` draws the
-ROC; `--export-embeddings EMB.npz` writes the embeddings of every image evaluated (with
-several targets, EMB.<target>.npz each). Several targets give one table; the JSON is then
-keyed by target name (flat for a single target).
+`--roc roc.png` draws the ROC; `--export-embeddings EMB.npz` writes the embeddings of
+every image evaluated (with several targets, EMB.<target>.npz each). Several targets give
+one table; the JSON is then keyed by target name (flat for a single target).
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from recognition.training.stopping import EXIT_STOPPED, RunStopped
 
     try:
-        train(cfg)
+        train(cfg, inputs_checked=True)
     except RunStopped as stopped:  # a stop signal or the time limit, with a checkpoint
         if rank == 0:
             print(stopped, file=sys.stderr)

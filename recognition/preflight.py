@@ -1,8 +1,8 @@
 """The run's inputs checked before any work (no data generated, no folder indexed, no model
 built, not even torch imported): `data.root`, every evaluation target's files,
 `output_dir`, a `train.resume` path and `train.init_backbone`. Every problem is one line, and
-all are reported at once; `train.py` calls `input_problems` first thing, `train()` calls it
-again (`check_inputs`) for callers that skip `train.py`.
+all are reported at once; `train.py` calls `input_problems` first thing (and tells `train()`
+so); `train()` itself calls it (`check_inputs`) for callers that skip `train.py`.
 
 Only what files and folders can tell is checked here; what needs the data read (an index,
 a checkpoint's contents) is checked where it is read, as early as it can be.
@@ -35,8 +35,7 @@ def input_problems(cfg: ExperimentConfig) -> list[str]:
             problems.append(str(exc))
     if cfg.eval.at_end or cfg.eval.every_steps:
         for target in cfg.eval.targets or []:
-            files = [p for p in (target.pairs, target.images, target.bin) if p is not None]
-            if pending is not None and any(lies_in(p, pending) for p in files):
+            if awaits_generation(cfg, target):
                 continue
             try:
                 check_target(target)
@@ -56,6 +55,15 @@ def input_problems(cfg: ExperimentConfig) -> list[str]:
             "checkpoint directory)"
         )
     return problems
+
+
+def awaits_generation(cfg: ExperimentConfig, target: EvalTarget) -> bool:
+    """Whether a file of `target` lies in the synthetic set that the run generates on first
+    use: not checked here, but once the set is made (`check_training_targets`)."""
+    if not cfg.data.synthetic.enabled:
+        return False
+    files = [p for p in (target.pairs, target.images, target.bin) if p is not None]
+    return any(lies_in(p, cfg.data.synthetic.root) for p in files)
 
 
 def check_target(target: EvalTarget) -> None:

@@ -267,7 +267,7 @@ def test_an_error_a_pipeline_schedule_wraps_is_reported_by_its_cause(monkeypatch
     # RuntimeError of its own ("... The above exception was the direct cause").
     import recognition.training as training
 
-    def stage_fails(cfg):
+    def stage_fails(cfg, **kwargs):
         try:
             raise ValueError("data.root: /x/p2/1.jpg: cannot decode image")
         except ValueError as exc:

@@ -20,7 +20,7 @@ def test_a_missing_data_root_stops_before_anything_is_made(tmp_path, monkeypatch
 
     monkeypatch.chdir(tmp_path)  # data.synthetic.root is data/synthetic, relative
 
-    def entered(cfg):
+    def entered(cfg, **kwargs):
         raise AssertionError("train() was called for a run whose data.root is missing")
 
     monkeypatch.setattr(training, "train", entered)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from recognition.checkpoint.files import atomic_save, load_file
+from recognition.checkpoint.files import atomic_save, fp32_cpu_state, load_file
 from recognition.checkpoint.foreign import TRUNK_ONLY, read_foreign
 from recognition.checkpoint.store import read_part
 from recognition.models import build_backbone
@@ -48,10 +48,7 @@ def export_backbone(
 
     `image_size` (one side, or (H, W)) is stored as an int or a [H, W] list.
     """
-    state = {
-        k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
-        for k, v in backbone.state_dict().items()
-    }
+    state = fp32_cpu_state(backbone)
     atomic_save(
         {
             "format": BACKBONE_FORMAT,

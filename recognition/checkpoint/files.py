@@ -46,6 +46,15 @@ def atomic_save(obj: Any, path: Path) -> None:
     fsync_dir(path.parent)
 
 
+def fp32_cpu_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`module`'s state dict as a file keeps it: every tensor detached on the CPU, floats in
+    fp32 (whatever precision the module trains in)."""
+    return {
+        k: v.detach().float().cpu() if v.is_floating_point() else v.detach().cpu()
+        for k, v in module.state_dict().items()
+    }
+
+
 def load_file(path: Path) -> Any:
     """Load a single torch file (a backbone export, a state dict) as plain tensors and
     containers, never running code that a pickle names."""

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from recognition.checkpoint.files import fp32_cpu_state
 from recognition.config import ModelConfig
 from recognition.models import IRESNET_LAYERS, IResNet, iresnet, resnet50_reid
 from recognition.models.iresnet import STAGE_CHANNELS, STEM_CHANNELS, scaled_channels
@@ -88,10 +89,7 @@ def arcface_torch_state(backbone: nn.Module) -> dict[str, torch.Tensor]:
             f"--arcface-torch: arcface_torch's models are IResNets; this checkpoint's backbone "
             f"is a {type(backbone).__name__}"
         )
-    return {
-        k: v.detach().float().cpu() if v.is_floating_point() else v.detach().cpu()
-        for k, v in backbone.state_dict().items()
-    }
+    return fp32_cpu_state(backbone)
 
 
 # ---------------------------------------------------------------------- one reader a layout

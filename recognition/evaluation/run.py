@@ -36,7 +36,7 @@ from recognition.evaluation.verification import (
     format_table,
     to_json_dict,
 )
-from recognition.preflight import check_target
+from recognition.preflight import awaits_generation, check_target
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +104,13 @@ def check_targets(targets: Sequence[EvalTarget]) -> None:
 
 
 def check_training_targets(cfg: ExperimentConfig, dist_info: DistInfo) -> None:
-    """Collective: rank 0 checks the targets training will evaluate; every rank raises on error.
+    """Collective: rank 0 checks the targets in the synthetic set, once it is generated; every
+    rank raises on error. The other targets' files were checked before any work
+    (`recognition.preflight`), and the held-out identities' pairs are the run's own.
 
     Raises ValueError ``"eval.targets: ..."`` naming the missing or malformed file.
     """
-    targets = run_targets(cfg)
+    targets = [t for t in run_targets(cfg) if awaits_generation(cfg, t)]
     if not targets or not (cfg.eval.every_steps or cfg.eval.at_end):
         return
     error = None

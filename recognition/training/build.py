@@ -70,6 +70,7 @@ from recognition.training.errors import TrainingError
 from recognition.training.finetune import start_from_file
 from recognition.training.head_only import HeadOnlyGate
 from recognition.training.holdout import hold_out, holdout_wanted
+from recognition.training.init_backbone import InitBackbone
 from recognition.training.parts import ModelParts
 from recognition.training.pipeline_step import PipelineStep, build_pipeline_step
 from recognition.training.state import Progress, RngState
@@ -241,11 +242,18 @@ def build_data(cfg: ExperimentConfig, dist_info: DistInfo) -> TrainData:
 
 
 def build(
-    cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool, data: TrainData | None = None
+    cfg: ExperimentConfig,
+    dist_info: DistInfo,
+    *,
+    resuming: bool,
+    data: TrainData | None = None,
+    init: InitBackbone | None = None,
 ) -> Run:
     """Make the run's parts on this rank (collective: ranks wait for rank 0's data setup).
 
-    `data`: what `build_data` made for this run; None makes it now. Writes config.yaml
+    `data`: what `build_data` made for this run; None makes it now. `init`:
+    train.init_backbone as `read_init_backbone` read it; None reads it when the run starts
+    from it. Writes config.yaml
     (and, unless `resuming`, classes.txt: a resumed run's classes are checked against its
     checkpoint first) into the run directory on rank 0.
     """
@@ -267,7 +275,7 @@ def build(
     # A resumed run's weights and rows come from its checkpoint: nothing to start from.
     start = None
     if cfg.train.init_backbone is not None and not resuming:
-        start = partial(start_from_file, cfg, dist_info, source)
+        start = partial(start_from_file, cfg, dist_info, source, init)
     elif cfg.train.init_backbone is not None:
         log.info("train.init_backbone: not loaded, the run resumes from its checkpoint")
     parts = build_model(cfg, dist_info, source.num_classes, layout, memory_format, start=start)

@@ -13,6 +13,7 @@ naming the file, before anything of the run is written.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from recognition.checkpoint.backbone_files import load_backbone_file
+from recognition.checkpoint.foreign import TRUNK_ONLY
 from recognition.config import ConfigError, ExperimentConfig
 from recognition.config.values import image_size_pair
 from recognition.models import backbone_from_config
@@ -27,25 +29,45 @@ from recognition.models import backbone_from_config
 log = logging.getLogger(__name__)
 
 
-def check_init_backbone(path: str | Path, cfg: ExperimentConfig) -> None:
-    """Raise ConfigError (one line naming `path`) when the backbone file cannot start the
-    run `cfg` describes: missing, unreadable, another embedding size or image size, or a
-    key or shape that does not fit. Builds the run's backbone on the meta device only."""
+@dataclass(frozen=True)
+class InitBackbone:
+    """A backbone file read and checked against the run: what `load_init_backbone` loads."""
+
+    path: Path
+    trunk_only: bool
+    """The file holds a classification network's trunk: the embedding layers start fresh."""
+    state: dict[str, torch.Tensor]  # fp32, on the CPU
+
+
+def read_init_backbone(path: str | Path, cfg: ExperimentConfig) -> InitBackbone:
+    """The backbone file `path`, read once and checked against the run `cfg` describes
+    (the backbone built on the meta device only); ConfigError (one line naming `path`) when
+    it cannot start the run: missing, unreadable, another embedding size or image size, or a
+    key or shape that does not fit."""
     with torch.device("meta"):
         backbone = backbone_from_config(cfg.model, cfg.data.image_hw)
-    _read_and_check(Path(path), backbone, cfg)
+    return _read_and_check(Path(path), backbone, cfg)
 
 
-def load_init_backbone(backbone: nn.Module, cfg: ExperimentConfig) -> None:
+def check_init_backbone(path: str | Path, cfg: ExperimentConfig) -> None:
+    """Raise ConfigError as `read_init_backbone` does; keep nothing."""
+    read_init_backbone(path, cfg)
+
+
+def load_init_backbone(
+    backbone: nn.Module, cfg: ExperimentConfig, init: InitBackbone | None = None
+) -> None:
     """Load train.init_backbone into `backbone` (the bare module, before it is cast for the
-    precision level and wrapped), after the checks of `check_init_backbone`."""
+    precision level and wrapped): `init`, the file as `read_init_backbone` read it, or (None)
+    the file read and checked now."""
     assert cfg.train.init_backbone is not None
     path = Path(cfg.train.init_backbone)
-    trunk_only, state = _read_and_check(path, backbone, cfg)
+    if init is None:
+        init = _read_and_check(path, backbone, cfg)
     device = next(backbone.parameters()).device
     with torch.no_grad():
         missing, _ = backbone.load_state_dict(
-            {k: v.to(device) for k, v in state.items()}, strict=not trunk_only
+            {k: v.to(device) for k, v in init.state.items()}, strict=not init.trunk_only
         )
     if missing:
         layers = sorted({key.rsplit(".", 1)[0] for key in missing})
@@ -54,13 +76,11 @@ def load_init_backbone(backbone: nn.Module, cfg: ExperimentConfig) -> None:
             path,
             ", ".join(layers),
         )
-    log.info("train.init_backbone: loaded %d tensors from %s", len(state), path)
+    log.info("train.init_backbone: loaded %d tensors from %s", len(init.state), path)
 
 
-def _read_and_check(
-    path: Path, backbone: nn.Module, cfg: ExperimentConfig
-) -> tuple[bool, dict[str, torch.Tensor]]:
-    """(whether the file holds a trunk only, its state dict), or ConfigError."""
+def _read_and_check(path: Path, backbone: nn.Module, cfg: ExperimentConfig) -> InitBackbone:
+    """The file `path` read and checked against `backbone` and `cfg`, or ConfigError."""
     where = f"train.init_backbone: {path}"
     if not path.exists():
         raise ConfigError(f"{where}: no such file or directory")
@@ -68,11 +88,11 @@ def _read_and_check(
         model_cfg, image_size, state = load_backbone_file(path)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    trunk_only = bool(model_cfg.get("trunk_only", False))
+    trunk_only = bool(model_cfg.get(TRUNK_ONLY, False))
     if not trunk_only:  # a trunk has no embedding, and takes any image size
         _check_model(where, model_cfg, image_size, cfg)
     check_state_fits(where, backbone.state_dict(), state, trunk_only=trunk_only)
-    return trunk_only, state
+    return InitBackbone(path, trunk_only, state)
 
 
 def _check_model(

@@ -35,7 +35,7 @@ from recognition.preflight import InputError, input_problems
 from recognition.training.build import Run, TrainingError, build, build_data
 from recognition.training.determinism import deterministic_mode
 from recognition.training.hooks import Hook, default_hooks
-from recognition.training.init_backbone import check_init_backbone
+from recognition.training.init_backbone import read_init_backbone
 from recognition.training.resume import resume, resume_path
 from recognition.training.state import seed_everything
 from recognition.training.stopping import (
@@ -48,16 +48,18 @@ from recognition.training.stopping import (
 log = logging.getLogger(__name__)
 
 
-def train(cfg: ExperimentConfig) -> Path:
+def train(cfg: ExperimentConfig, *, inputs_checked: bool = False) -> Path:
     """Train as `cfg` says, on this process or as one rank of a torchrun job.
 
     Returns the run directory. Every rank must call it with the same config.
+    `inputs_checked`: the caller (train.py) has found no problem with `input_problems(cfg)`
+    on every rank; otherwise rank 0 looks at the inputs before any work.
     """
     with deterministic_mode(cfg.train.deterministic):
-        return _train(cfg)
+        return _train(cfg, inputs_checked)
 
 
-def _train(cfg: ExperimentConfig) -> Path:
+def _train(cfg: ExperimentConfig, inputs_checked: bool) -> Path:
     # A group made by a caller (a test) is the caller's to tear down; ours is ours.
     owns_group = not (dist.is_available() and dist.is_initialized())
     dist_info = distributed.init_distributed(
@@ -67,8 +69,10 @@ def _train(cfg: ExperimentConfig) -> Path:
     check_run_dir(cfg.run_dir)
     setup_logging(cfg.run_dir, dist_info)
     checkpoint = resume_path(cfg, cfg.run_dir)
-    # Before any work: nothing generated, indexed or built for a run whose inputs are missing.
-    check_inputs(cfg, dist_info)
+    if not inputs_checked:
+        # Before any work: nothing generated, indexed or built for a run whose inputs are
+        # missing.
+        check_inputs(cfg, dist_info)
     # Per-rank seeds: ranks draw different dropout masks. The backbone's initial weights are
     # rank 0's (DDP broadcasts them) and the head draws its class matrix by blocks.
     seed_everything(cfg.seed + dist_info.rank)
@@ -129,16 +133,18 @@ def build_run(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> 
     """`build`, with the memory check of a GPU run (train.memory_check) between the data,
     which gives the class count, and the model: a run whose plan does not fit stops on
     every rank before anything of its size is allocated or written (collective)."""
+    init = None
     if cfg.train.init_backbone is not None and not resuming:
-        # Before the data and the model: a file that does not fit stops the run at once.
-        check_init_backbone(cfg.train.init_backbone, cfg)
+        # Before the data and the model: a file that does not fit stops the run at once. Read
+        # once: the model built later loads these weights.
+        init = read_init_backbone(cfg.train.init_backbone, cfg)
     data = build_data(cfg, dist_info)
     if cfg.train.memory_check and dist_info.device.type == "cuda":
         # Imported here: only a GPU run plans, and the planner (fake tensors) costs an import.
         from recognition.training.plan import check_memory
 
         check_memory(cfg, dist_info, data.num_classes)
-    return build(cfg, dist_info, resuming=resuming, data=data)
+    return build(cfg, dist_info, resuming=resuming, data=data, init=init)
 
 
 def check_inputs(cfg: ExperimentConfig, dist_info: DistInfo) -> None:
