@@ -43,12 +43,13 @@ def param_groups(
         if no_decay:
             groups.append({"params": [p for _, p in no_decay], "weight_decay": 0.0})
         return groups
+
+    def scale_of(item: tuple[str, nn.Parameter]) -> float:
+        # Names are "<module index>.<parameter name>": the index gives the module's scale.
+        return scales[int(item[0].split(".", 1)[0])]
+
     groups = []
     for params, decay_value in ((decay, weight_decay), (no_decay, 0.0)):
-        # Names are "<module index>.<parameter name>": the index gives the module's scale.
-        def scale_of(item: tuple[str, nn.Parameter]) -> float:
-            return scales[int(item[0].split(".", 1)[0])]
-
         for scale, run in itertools.groupby(params, key=scale_of):
             groups.append(
                 {"params": [p for _, p in run], "weight_decay": decay_value, "lr_scale": scale}
