@@ -246,7 +246,7 @@ def test_two_ranks_hold_out_the_same_people_and_never_train_on_them(faces, tmp_p
     import helpers
     import torch.multiprocessing as mp
 
-    from recognition.data.holdout import pairs_text
+    from recognition.data.pairs import pairs_text
 
     out = tmp_path / "run"
     overrides = [

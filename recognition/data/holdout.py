@@ -170,15 +170,6 @@ def safe_names(names: Sequence[str]) -> list[str]:
     return out
 
 
-def pairs_text(folds: Folds) -> str:
-    """The LFW View 2 text of `folds`, as `write_pairs` writes it (to compare with a file)."""
-    lines = [f"{len(folds)}\t{len(folds[0][0])}"]
-    for same, different in folds:
-        lines += ["\t".join(map(str, pair)) for pair in same]
-        lines += ["\t".join(map(str, pair)) for pair in different]
-    return "\n".join(lines) + "\n"
-
-
 def write_holdout(
     folder: Path,
     source: TrainSource,

@@ -262,14 +262,32 @@ def write_pairs(
     *,
     dev_format: bool = False,
 ) -> None:
-    """Write a protocol file that :func:`load_pairs` reads back.
+    """Write a protocol file that :func:`load_pairs` reads back: :func:`pairs_text` of
+    ``folds``, the file replaced atomically. Raises ValueError as ``pairs_text`` does."""
+    text = pairs_text(folds, dev_format=dev_format)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Write next to the target and rename, so a crash never leaves half a pairs file.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def pairs_text(
+    folds: Sequence[tuple[Sequence[SamePair], Sequence[DiffPair]]], *, dev_format: bool = False
+) -> str:
+    """The text of a protocol file of ``folds`` (what :func:`write_pairs` writes).
 
     ``folds[f]`` is ``(same, different)``: the same-identity pairs ``(name, n1, n2)`` and
     the different-identity pairs ``(name1, n1, name2, n2)`` of fold f. Every fold must hold
     the same number of each kind (the header has one count). The View 2 header
-    ``FOLDS<TAB>PER_FOLD`` is written, or with ``dev_format=True`` (one fold only) the
-    single count of ``pairsDevTrain.txt``. The file is replaced atomically. Raises
-    ValueError naming the offending ``folds[f]...`` entry.
+    ``FOLDS<TAB>PER_FOLD``, or with ``dev_format=True`` (one fold only) the single count of
+    ``pairsDevTrain.txt``. Raises ValueError naming the offending ``folds[f]...`` entry.
     """
     num_folds = len(folds)
     if num_folds == 0:
@@ -310,18 +328,7 @@ def write_pairs(
                 f"{_check_name(name1, where)}\t{_check_number(n1, where)}\t"
                 f"{_check_name(name2, where)}\t{_check_number(n2, where)}"
             )
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Write next to the target and rename, so a crash never leaves half a pairs file.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    return "\n".join(lines) + "\n"
 
 
 def _parse_header(header: list[str], path: Path, line_no: int) -> tuple[int, int]:

@@ -18,9 +18,9 @@ from recognition.data.holdout import (
     TrainingSubset,
     choose_holdout,
     make_holdout_pairs,
-    pairs_text,
     write_holdout,
 )
+from recognition.data.pairs import pairs_text
 from recognition.data.source import TrainSource
 from recognition.distributed import DistInfo
 from recognition.training.errors import TrainingError
