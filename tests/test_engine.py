@@ -300,11 +300,11 @@ def test_deterministic_mode_is_on_during_the_run_and_restored_after(image_folder
     seen = {}
     real = loop._train
 
-    def spy(cfg):
+    def spy(cfg, *args):
         seen["algorithms"] = torch.are_deterministic_algorithms_enabled()
         seen["cudnn"] = torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
         seen["cublas"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-        return real(cfg)
+        return real(cfg, *args)
 
     before = torch.are_deterministic_algorithms_enabled()
     loop._train = spy
