@@ -92,8 +92,15 @@ def stop_workers(loader: Iterable, iterator: Iterator | None = None) -> int:
     at the end of a run with 8 workers. Here the queues are alive and every worker leaves
     when asked.
     """
+    import inspect
+
     from torch.utils.data import DataLoader
 
+    if inspect.isgenerator(iterator):
+        # A generator over a DataLoader (DeviceBatches): closing it ends the DataLoader
+        # iterator it holds now, while its queues are alive (without persistent workers it
+        # is the only reference to it).
+        iterator.close()
     inner = loader if isinstance(loader, DataLoader) else getattr(loader, "loader", None)
     found: list = [iterator]
     if isinstance(inner, DataLoader):
