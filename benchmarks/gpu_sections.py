@@ -546,7 +546,8 @@ def section_training(run: SectionRun) -> None:
     results = json.loads((out / "eval.json").read_text())
     name, result = next(iter(results.items()))
     accuracy = result["accuracy"]
-    exit_s = exit_after_last_line(log.read_text(errors="replace"), wall)
+    train_log = (out / "train.log").read_text(errors="replace")
+    exit_s = exit_after_last_line(train_log, wall)
     text = (f"{name} accuracy {100 * accuracy:.2f} % (AUC {result['auc']:.4f}), loss "
             f"{_fmt(steps[-1]['loss'], '.3f')} after {steps[-1]['step']} steps, "
             f"{statistics.median(rates):,.0f} samples/s, {wall:.0f} s")  # fmt: skip
@@ -556,7 +557,7 @@ def section_training(run: SectionRun) -> None:
             accuracy=accuracy, auc=result["auc"], steps=steps[-1]["step"],
             samples_per_sec=statistics.median(rates), wall_s=wall, exit_s=exit_s)  # fmt: skip
     marker = "head.kernel=auto: "
-    lines = (out / "train.log").read_text().splitlines()
+    lines = train_log.splitlines()
     auto = [line.split(marker, 1)[1] for line in lines if marker in line]
     if auto:
         run.add("head.kernel=auto chose", auto[0])

@@ -706,3 +706,12 @@ def test_the_memory_plan_row_against_a_real_step(tmp_path):
     assert row["met"] is True
     assert row["result"] == (f"planned {data['planned_bytes'] / 2**30:.2f} GiB, measured "
                              f"{measured / 2**30:.2f} GiB, x{data['ratio']:.3f}")  # fmt: skip
+
+
+def test_the_exit_is_timed_from_train_pys_last_line():
+    log = ("12:00:00 INFO recognition.training.loop: stopped 8 loader workers\n"
+           "12:00:59 INFO recognition.train: exiting with status 0, 58.6 s after train.py "
+           "started\n")  # fmt: skip
+    assert gpu_sections.exit_after_last_line(log, 59.1) == pytest.approx(0.5)
+    assert gpu_sections.exit_after_last_line(log, 58.0) == 0.0  # clocks apart: not negative
+    assert gpu_sections.exit_after_last_line("no such line\n", 59.1) is None
