@@ -2,7 +2,8 @@
 
     python -m benchmarks.data --tree /tmp/bench_tree          # 100k folders x 10 files
     python -m benchmarks.data --tree /tmp/t --classes 1000 --files-per-class 10 --json d.json
-    python -m benchmarks.data --skip-index                    # the loader part only
+    python -m benchmarks.data --skip-index                    # the loader and augment parts
+    python -m benchmarks.data --skip-index --skip-loader --json results/augment_cpu.json
 
 **Index** (a generated tree of `--classes` identity folders x `--files-per-class` empty
 `.jpg` files, made once and reused): each method runs in a fresh process, which reports the
@@ -27,6 +28,18 @@ of one worker) and with 1 and 2 workers, for both kinds of worker (`data.decode`
                        the GPU decodes them later, which this loader-only figure leaves out
 
 One warm-up pass first (page cache), then the median of `--repeats` passes.
+
+**Augment**: what `data.augment` costs a loader worker, per preset (none, flip, face, reid),
+over the same image folder at 112x112, in rounds that take the presets in turn (so that a
+busy spell of a shared machine hits them alike), each figure the median over the rounds:
+
+    worker (cpu)       images/s of the DataLoader in the main process (0 workers: the rate
+                       of one worker) that decodes, resizes, augments (AugmentedView) and
+                       normalises; and its ratio to the `flip` preset's (today's default)
+    augment alone      microseconds per image of AugmentedView over images decoded
+                       beforehand (in memory): the draw and the transforms, nothing else
+    batched (device)   microseconds per image of `augment_batch` (data.decode=gpu's code)
+                       over a batch of --batch-size on the CPU, and on CUDA when there is one
 """
 
 from __future__ import annotations
@@ -137,6 +150,7 @@ def run_loader(work: Path, num_images: int, repeats: int, batch_size: int) -> li
     import torch
     from torch.utils.data import DataLoader
 
+    from recognition.config import AugmentConfig
     from recognition.data import pack
     from recognition.data.gpu_decode import EncodedView, collate_encoded
     from recognition.data.image_folder import ImageFolderDataset
@@ -156,11 +170,12 @@ def run_loader(work: Path, num_images: int, repeats: int, batch_size: int) -> li
     }
     rows = []
     torch.set_num_threads(1)
+    flip = AugmentConfig(preset="flip")
     for name, source in sources.items():
         mean_kib = os.path.getsize(work / "rec" / "train.rec") / len(source) / 1024
         kinds = {
-            "decode (cpu)": (AugmentedView(source, flip=True), None),
-            "bytes only (gpu)": (EncodedView(source, flip=True), collate_encoded),
+            "decode (cpu)": (AugmentedView(source, flip), None),
+            "bytes only (gpu)": (EncodedView(source, flip), collate_encoded),
         }
         for kind, (view, collate) in kinds.items():
             for workers in (0, 1, 2):
@@ -198,6 +213,116 @@ def run_loader(work: Path, num_images: int, repeats: int, batch_size: int) -> li
     return rows
 
 
+# ---------------------------------------------------------------------- augment
+
+AUGMENT_PRESETS = ("none", "flip", "face", "reid")
+
+
+class _InMemory:
+    """The first `count` samples of `source`, decoded once (augment alone, no decode)."""
+
+    def __init__(self, source, count: int) -> None:
+        self.samples = [source[i] for i in range(min(count, len(source)))]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        return self.samples[index]
+
+
+def run_augment(work: Path, num_images: int, repeats: int, batch_size: int) -> list[dict]:
+    import torch
+    from torch.utils.data import DataLoader
+
+    from recognition.config import AugmentConfig
+    from recognition.data.augment import draw_augment
+    from recognition.data.augment_batch import augment_batch
+    from recognition.data.image_folder import ImageFolderDataset
+    from recognition.data.sampler import AugmentedView, ResumableSampler
+    from recognition.data.synthetic import SyntheticSpec, ensure_synthetic_dataset
+
+    per = 16
+    spec = SyntheticSpec.training_set(max(1, num_images // per), per)
+    folder = ensure_synthetic_dataset(work / "synthetic", spec) / "train"
+    source = ImageFolderDataset(folder, 112)
+    memory = _InMemory(source, 512)
+    torch.set_num_threads(1)
+    configs = {name: AugmentConfig(preset=name) for name in AUGMENT_PRESETS}
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    batch = torch.stack([memory[i][0] for i in range(batch_size % len(memory) or batch_size)])
+    timings: dict[tuple[str, str], list[float]] = {}
+    for round_ in range(repeats + 1):  # round 0 warms up (page cache, first calls)
+        for name, cfg in configs.items():
+            sampler = ResumableSampler(len(source), seed=0)
+            sampler.set_epoch(round_)
+            loader = DataLoader(AugmentedView(source, cfg), batch_size=batch_size,
+                                sampler=sampler, drop_last=True)  # fmt: skip
+            start = time.perf_counter()
+            count = sum(len(labels) for _, labels in loader)
+            rate = count / (time.perf_counter() - start)
+            view = AugmentedView(memory, cfg)
+            keys = [(i, 1000 * round_ + i) for i in range(len(memory))]
+            start = time.perf_counter()
+            for key in keys:
+                view[key]
+            alone = (time.perf_counter() - start) / len(keys) * 1e6
+            params = [draw_augment(cfg, 7 * round_ + i, (112, 112)) for i in range(len(batch))]
+            device_us = {}
+            for device in devices:
+                images = batch.to(device).mul(0.5).add(0.5)
+                _sync(device)
+                start = time.perf_counter()
+                augment_batch(images, params)
+                _sync(device)
+                device_us[device.type] = (time.perf_counter() - start) / len(batch) * 1e6
+            if round_ > 0:
+                timings.setdefault((name, "worker"), []).append(rate)
+                timings.setdefault((name, "alone"), []).append(alone)
+                for kind, us in device_us.items():
+                    timings.setdefault((name, kind), []).append(us)
+    flip_rate = statistics.median(timings[("flip", "worker")])
+    rows = []
+    for name in AUGMENT_PRESETS:
+        rate = statistics.median(timings[(name, "worker")])
+        rows.append(
+            {
+                "preset": name,
+                "worker_images_per_sec": rate,
+                "x_flip": rate / flip_rate,
+                "augment_alone_us": statistics.median(timings[(name, "alone")]),
+                "batched_cpu_us": statistics.median(timings[(name, "cpu")]),
+                "batched_cuda_us": statistics.median(timings[(name, "cuda")])
+                if (name, "cuda") in timings
+                else None,
+                "images": count,
+                "rounds": repeats,
+            }
+        )
+    return rows
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def print_augment(rows: list[dict], batch_size: int) -> None:
+    print(f"\nAugmentation, 112x112, {rows[0]['images']} images per pass, medians of "
+          f"{rows[0]['rounds']} rounds")  # fmt: skip
+    print("| data.augment | worker images/s | x flip | augment alone (us/image) | batched, "
+          f"CPU (us/image, batch {batch_size}) | batched, CUDA (us/image) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        cuda = "-" if r["batched_cuda_us"] is None else f"{r['batched_cuda_us']:.2f}"
+        print(
+            f"| {r['preset']} | {r['worker_images_per_sec']:.0f} | {r['x_flip']:.2f} "
+            f"| {r['augment_alone_us']:.0f} | {r['batched_cpu_us']:.0f} | {cuda} |"
+        )
+
+
 # ---------------------------------------------------------------------- main
 
 
@@ -209,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keep-tree", action="store_true", help="do not delete the tree")
     parser.add_argument("--skip-index", action="store_true")
     parser.add_argument("--skip-loader", action="store_true")
+    parser.add_argument("--skip-augment", action="store_true")
     parser.add_argument("--loader-images", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=128)
@@ -256,6 +382,14 @@ def main(argv: list[str] | None = None) -> None:
                 f"| {r['images_per_sec']:.0f} | {per_worker:.0f} |"
             )
         print(f"(mean encoded image: {rows[0]['mean_image_kib']:.1f} KiB)")
+    if not args.skip_augment:
+        work = Path(tempfile.mkdtemp(prefix="bench_augment"))
+        try:
+            rows = run_augment(work, args.loader_images, args.repeats, args.batch_size)
+        finally:
+            shutil.rmtree(work)
+        results["augment"] = rows
+        print_augment(rows, args.batch_size)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

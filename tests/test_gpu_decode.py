@@ -20,7 +20,7 @@ import torch
 from helpers import needs_cuda
 from PIL import Image
 
-from recognition.config import ConfigError, DataConfig, load_config
+from recognition.config import AugmentConfig, ConfigError, DataConfig, load_config
 from recognition.data import gpu_decode, pack
 from recognition.data.build import build_loader, resolve_decode
 from recognition.data.gpu_decode import (
@@ -36,6 +36,7 @@ from recognition.data.sampler import AugmentedView, EpochBatches, ResumableSampl
 from recognition.training import train
 
 SIZE = (32, 32)
+FLIP, NONE = AugmentConfig(preset="flip"), AugmentConfig(preset="none")
 
 
 def encode(image: Image.Image, format: str = "JPEG", **options) -> bytes:
@@ -81,8 +82,8 @@ def keys_of(source, epoch: int = 1, seed: int = 3) -> list[tuple[int, int]]:
 
 def both_paths(source, keys, memory_format=torch.contiguous_format):
     """(CPU path's images, labels), (GPU path's on device cpu, its batch)."""
-    cpu = [AugmentedView(source, flip=True)[key] for key in keys]
-    batch = collate_encoded([EncodedView(source, flip=True)[key] for key in keys])
+    cpu = [AugmentedView(source, FLIP)[key] for key in keys]
+    batch = collate_encoded([EncodedView(source, FLIP)[key] for key in keys])
     images, labels = decode_batch(
         batch,
         source,
@@ -119,13 +120,13 @@ def test_flips_follow_seed_epoch_and_index(tmp_path: Path):
     """The worker's flip is the CPU path's (`draw_flip` of the sample's seed), and, image by
     image (not through two shuffled orders), it changes between epochs."""
     source = ImageFolderDataset(make_folder(tmp_path / "faces"), SIZE)
-    view = EncodedView(source, flip=True)
+    view = EncodedView(source, FLIP)
     one, other = keys_of(source, epoch=1), keys_of(source, epoch=2)
-    assert [view[key][2] for key in one] == [draw_flip(seed) for _, seed in one]
-    by_index = [{view[key][3]: view[key][2] for key in keys} for keys in (one, other)]
+    assert [view[key][2].flip for key in one] == [draw_flip(seed) for _, seed in one]
+    by_index = [{view[key][3]: view[key][2].flip for key in keys} for keys in (one, other)]
     assert set(by_index[0]) == set(by_index[1])
     assert any(by_index[0][i] != by_index[1][i] for i in by_index[0])
-    assert not any(EncodedView(source, flip=False)[key][2] for key in one)
+    assert not any(EncodedView(source, NONE)[key][2].flip for key in one)
 
 
 @pytest.fixture
@@ -189,7 +190,7 @@ def bad_folder(tmp_path: Path) -> Path:
 def test_bad_image_error_names_the_file(bad_folder: Path):
     source = ImageFolderDataset(bad_folder, SIZE)
     paths = list(source.paths)
-    view = EncodedView(source, flip=True)
+    view = EncodedView(source, FLIP)
     # Found by the worker (routed to PIL), with the CPU path's message.
     with pytest.raises(ValueError, match=r"id0/3_truncated.jpg: cannot decode.*on_bad_image=skip"):
         view[(paths.index("id0/3_truncated.jpg"), 0)]
@@ -359,8 +360,8 @@ def test_nvjpeg_batches_match_the_cpu_path_within_tolerance(tmp_path: Path):
     ensure_synthetic_dataset(tmp_path / "synthetic", SyntheticSpec.training_set(16, 8))
     source = ImageFolderDataset(tmp_path / "synthetic" / "train", 112)
     keys = keys_of(source)
-    expected = torch.stack([AugmentedView(source, flip=True)[key][0] for key in keys])
-    batch = collate_encoded([EncodedView(source, flip=True)[key] for key in keys])
+    expected = torch.stack([AugmentedView(source, FLIP)[key][0] for key in keys])
+    batch = collate_encoded([EncodedView(source, FLIP)[key] for key in keys])
     images, labels = decode_batch(
         batch.pin_memory(),
         source,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from recognition.config.augment import AugmentConfig, blur_kernel_size
 from recognition.config.synthetic import SyntheticConfig
 from recognition.config.values import ConfigError, check_image_size, image_size_pair
 
@@ -24,8 +25,6 @@ class DataConfig:
     image_size: int | list[int] = 112
     """Input size in pixels: one side (a square, 112 for aligned faces) or [H, W] (e.g.
     [256, 128] for person crops); images of any size are resized to it."""
-    flip: bool = True
-    """Random horizontal flip during training."""
     num_workers: int = 2
     """DataLoader worker processes that read and decode images; 0: in the training process."""
     cache_dir: str | None = None
@@ -56,6 +55,7 @@ class DataConfig:
     the encoded bytes only and each batch is decoded on the training GPU (nvJPEG through
     torchvision.io.decode_jpeg) and augmented there; non-JPEG files are decoded by the
     workers. auto: gpu when training on a CUDA device and the data holds JPEGs, else cpu."""
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     @property
@@ -69,6 +69,13 @@ class DataConfig:
             raise ConfigError("data.num_workers: must be 0 or more")
         if self.pk_instances < 1:
             raise ConfigError("data.pk_instances: must be at least 1")
+        kernel = blur_kernel_size(self.augment.blur_sigma[1])
+        if self.augment.blur > 0 and kernel > min(self.image_hw):
+            raise ConfigError(
+                f"data.augment.blur_sigma: a sigma of {self.augment.blur_sigma[1]:g} needs a "
+                f"{kernel}-pixel kernel, larger than the {min(self.image_hw)}-pixel side of "
+                "data.image_size"
+            )
         if self.prefetch_factor is not None:
             if self.prefetch_factor < 1:
                 raise ConfigError("data.prefetch_factor: must be at least 1 (or null)")

@@ -52,8 +52,8 @@ def build_train_dataset(
 
     Collective through `barrier` for image folders: the main rank builds or checks the
     cached index while the others wait, then all map it. `class_names` fixes the label
-    order of an image folder (others ignore it). Samples come unflipped (`train=False`): the
-    training loop flips through `AugmentedView`, seeded per sample.
+    order of an image folder (others ignore it). Samples come unaugmented (`train=False`): the
+    training loop augments through `AugmentedView`, seeded per sample (`data.augment`).
     """
     kind = resolve_format(data_cfg)
     size = data_cfg.image_hw
@@ -185,13 +185,13 @@ def build_loader(
     options = loader_options(data_cfg, device)
     if decode == "cpu":
         return DataLoader(
-            AugmentedView(source, flip=data_cfg.flip),
+            AugmentedView(source, data_cfg.augment),
             batch_sampler=batch_sampler,
             generator=generator,
             **options,
         )
     loader = DataLoader(
-        EncodedView(source, flip=data_cfg.flip),
+        EncodedView(source, data_cfg.augment),
         batch_sampler=batch_sampler,
         collate_fn=collate_encoded,
         generator=generator,
