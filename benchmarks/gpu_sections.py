@@ -347,6 +347,7 @@ def section_throughput(run: SectionRun) -> None:
         torch.cuda.empty_cache()  # the end-to-end runs are processes of their own
     for decode in ("cpu", "gpu"):
         _end_to_end(run, plan, folder, base, decode, model["images_per_s"], train_throughput)
+    _augment_row(run, cfg, device, model["images_per_s"])
     what = "model only, compiled"
     if run.smoke:
         run.skip(what, "on a GPU only (inductor takes minutes on a CPU)")
@@ -431,6 +432,36 @@ def _end_to_end(run: SectionRun, plan, folder: Path, base: list[str], decode: st
     target = None if run.smoke else "within 5 % of model only"
     run.add(what, text, target=target, met=None if target is None else ratio >= 0.95,
             x_model=ratio, workers=workers, **e2e)  # fmt: skip
+
+
+def _augment_row(run: SectionRun, cfg, device, model_rate: float) -> None:
+    """data.augment=face as data.decode=gpu applies it (`augment_batch`) to a batch of the
+    run's size and input size on the device: images/s and the share of a model-only step it
+    adds. The draws (the loader's workers' work) are not timed; the median of 5 after 2."""
+    import torch
+
+    from recognition.config import AugmentConfig
+    from recognition.data.augment import draw_augment
+    from recognition.data.augment_batch import augment_batch
+
+    what = "augment on the device, data.augment=face"
+    batch, size = cfg.train.batch_size, cfg.data.image_hw
+    augment = AugmentConfig(preset="face")
+    images = torch.rand(batch, 3, *size, device=device)
+    seconds = []
+    for rep in range(7):
+        params = [draw_augment(augment, rep * batch + i, size) for i in range(batch)]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        augment_batch(images, params)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    rate = batch / statistics.median(seconds[2:])
+    share = model_rate / rate  # the step's time, as a fraction of the model's
+    text = f"{rate:,.0f} images/s, +{100 * share:.1f} % of a model-only step (batch {batch})"
+    run.add(what, text, images_per_s=rate, share_of_model_step=share, batch=batch)
 
 
 # ---------------------------------------------------------------- 4. two GPUs

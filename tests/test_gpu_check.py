@@ -281,6 +281,11 @@ def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
     assert model_rate > 0 and cpu["images_per_s"] > 0
     assert cpu["x_model"] == pytest.approx(cpu["images_per_s"] / model_rate)
     assert throughput["end to end, data.decode=gpu"]["status"] == "skipped"
+    augment = throughput["augment on the device, data.augment=face"]
+    assert augment["status"] == "ok" and augment["data"]["images_per_s"] > 0
+    assert augment["data"]["share_of_model_step"] == pytest.approx(
+        model_rate / augment["data"]["images_per_s"]
+    )
     memory_plan = throughput["memory plan of the eager step"]
     assert memory_plan["status"] == "skipped" and "on a GPU only" in memory_plan["result"]
     # At least the backbone's fp32 parameters and their gradients (1/8-width IResNet-18).

@@ -22,6 +22,7 @@ from PIL import Image
 
 from recognition.config import AugmentConfig, ConfigError, DataConfig, load_config
 from recognition.data import gpu_decode, pack
+from recognition.data.augment import draw_augment
 from recognition.data.build import build_loader, resolve_decode
 from recognition.data.gpu_decode import (
     EncodedView,
@@ -80,10 +81,10 @@ def keys_of(source, epoch: int = 1, seed: int = 3) -> list[tuple[int, int]]:
     return list(sampler)
 
 
-def both_paths(source, keys, memory_format=torch.contiguous_format):
+def both_paths(source, keys, memory_format=torch.contiguous_format, augment=FLIP):
     """(CPU path's images, labels), (GPU path's on device cpu, its batch)."""
-    cpu = [AugmentedView(source, FLIP)[key] for key in keys]
-    batch = collate_encoded([EncodedView(source, FLIP)[key] for key in keys])
+    cpu = [AugmentedView(source, augment)[key] for key in keys]
+    batch = collate_encoded([EncodedView(source, augment)[key] for key in keys])
     images, labels = decode_batch(
         batch,
         source,
@@ -114,6 +115,32 @@ def test_decode_batch_on_cpu_equals_the_cpu_path(tmp_path: Path, kind: str):
     assert images.is_contiguous(memory_format=torch.channels_last)
     # Tolerance 0: on the CPU both decoders are libjpeg-turbo (resized and flipped samples too).
     assert torch.equal(images, expected)
+
+
+# Every operation of data.augment on about half the samples.
+EVERYTHING = AugmentConfig(
+    preset="none", flip=0.5, crop=0.5, colour=0.5, grey=0.3, low_res=0.5, blur=0.5,
+    blur_sigma=[0.3, 1.2], erase=0.5,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "augment",
+    [AugmentConfig(preset="face"), AugmentConfig(preset="reid"), EVERYTHING],
+    ids=["face", "reid", "everything"],
+)
+def test_decode_batch_augments_as_the_cpu_path(tmp_path: Path, augment: AugmentConfig):
+    """data.augment on the GPU path (drawn by the workers, applied to the batch by
+    augment_batch) against the CPU path (AugmentedView, image by image), on JPEGs of two
+    sizes: the same parameters, images equal to float rounding."""
+    source = ImageFolderDataset(make_folder(tmp_path / "faces", identities=6), SIZE)
+    keys = keys_of(source)
+    (expected, _), (images, labels, batch) = both_paths(source, keys, augment=augment)
+    assert batch.augments == [draw_augment(augment, seed, SIZE) for _, seed in keys]
+    assert sum(a.beyond_flip for a in batch.augments) >= 4
+    torch.testing.assert_close(images, expected, rtol=0, atol=1e-5)
+    plain = both_paths(source, keys, augment=NONE)[0][0]
+    assert (images - plain).flatten(1).abs().amax(1).gt(0.01).sum() >= 4
 
 
 def test_flips_follow_seed_epoch_and_index(tmp_path: Path):
@@ -376,6 +403,27 @@ def test_nvjpeg_batches_match_the_cpu_path_within_tolerance(tmp_path: Path):
     assert levels.mean() <= NVJPEG_MEAN_LEVELS
     mirrored = (images.cpu().flip(-1) - expected).abs() * 127.5
     assert mirrored.mean() > 4 * NVJPEG_MEAN_LEVELS  # the bound does tell a wrong flip apart
+
+
+@needs_cuda
+def test_nvjpeg_batches_augment_as_the_cpu_path(tmp_path: Path):
+    """data.augment=face on the device (augment_batch on CUDA) against the CPU path: the
+    same parameters, pixels within the decoders' NVJPEG_MEAN_LEVELS on average."""
+    from recognition.data.synthetic import SyntheticSpec, ensure_synthetic_dataset
+
+    ensure_synthetic_dataset(tmp_path / "synthetic", SyntheticSpec.training_set(16, 8))
+    source = ImageFolderDataset(tmp_path / "synthetic" / "train", 112)
+    keys = keys_of(source)
+    augment = AugmentConfig(preset="face")
+    expected = torch.stack([AugmentedView(source, augment)[key][0] for key in keys])
+    batch = collate_encoded([EncodedView(source, augment)[key] for key in keys])
+    assert batch.augments is not None
+    images, _ = decode_batch(
+        batch.pin_memory(), source, device=torch.device("cuda"), image_size=(112, 112)
+    )
+    levels = (images.cpu() - expected).abs() * 127.5
+    print(f"augmented, nvJPEG vs PIL: mean {levels.mean():.3f}, max {levels.max():.1f} levels")
+    assert levels.mean() <= NVJPEG_MEAN_LEVELS
 
 
 @needs_cuda
