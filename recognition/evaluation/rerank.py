@@ -24,8 +24,8 @@ entry), the V vectors are sparse (at most (k1 + 1)(h + 2) non-zeros before the e
 k2 times that after), and the final distances come a block of probes at a time (b x G),
 with the sum of minima over shared non-zeros found through the gallery's columns (an
 inverted index), its pairs bounded per block. What stays is the features (N x D float32),
-the lists and V: `memory_bound` gives the bytes for a gallery, and docs/evaluation.md the
-largest that fits 24 GiB.
+the lists and V: `memory_bound` bounds the bytes for a gallery, and docs/evaluation.md says
+the largest that fits 24 GiB (benchmarks/rerank.py measures them).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ BLOCK_BYTES = 1 << 30
 # Bytes per entry of a block of the neighbour search: the float32 distances, argpartition's
 # int64 indices, and a float32 temporary.
 SEARCH_BYTES_PER_ENTRY = 16
-# Bytes per entry of a block of the final distances: the sum of minima, the original
-# distances and the final ones, float64 each, and a float64 temporary.
+# Bytes per entry of a block of the final distances: the sum of minima and the final
+# distances (float64), then the original distances and their matmul's temporary.
 FINAL_BYTES_PER_ENTRY = 32
 # Bytes per (probe non-zero, gallery non-zero) pair of the inverted index: its position and
 # flat index (int64), both weights and their minimum (float64), its probe (int64), and a
@@ -75,17 +75,28 @@ class RerankParams:
         return {"k1": self.k1, "k2": self.k2, "lambda": self.lambda_value}
 
 
-def memory_bound(num_items: int, dim: int, params: RerankParams = RerankParams()) -> int:
-    """Bytes `KReciprocalReranker` holds at most for `num_items` probes and gallery items of
-    dimension `dim` (every R* at its largest; the blocks at BLOCK_BYTES each)."""
-    k = params.k1 + 1
-    most_expanded = k * (params.half + 2)  # R(i, k1) and each member's R(c, h)
-    most_after_expansion = min(num_items, most_expanded * params.k2)
-    features = num_items * dim * (4 + 8)  # the float32 copy and the caller's float64 features
-    lists = num_items * k * (8 + 2)  # the neighbour lists (int64) and reciprocal masks
-    # V before the expansion, after it, and the gallery's columns (CSC): float64 + int32.
-    sparse_bytes = num_items * (most_expanded + 2 * most_after_expansion) * 12
-    return features + lists + sparse_bytes + 2 * BLOCK_BYTES
+def memory_bound(
+    num_items: int,
+    dim: int,
+    params: RerankParams = RerankParams(),
+    block_bytes: int = BLOCK_BYTES,
+) -> int:
+    """An upper bound on the bytes `KReciprocalReranker` holds for `num_items` probes and
+    gallery items of dimension `dim` with float32 features: every R* at its largest, and the
+    largest holding of each phase added up (they do not all live at once).
+
+    Per item: the features (4 dim), the neighbour lists; per non-zero of V before the
+    expansion (at most (k1 + 1)(h + 2) a row) the COO triplets and the CSR matrix made of
+    them (60 bytes); per non-zero after it (at most k2 times that, N at most) the expanded
+    matrix and its probe rows and gallery columns (48 bytes); and two blocks.
+    """
+    k = max(params.k1 + 1, params.k2)
+    before = min(num_items, (params.k1 + 1) * (params.half + 2))
+    after = min(num_items, before * params.k2)
+    features = num_items * dim * 4
+    lists = num_items * k * 8 + num_items * (params.k1 + params.half + 2) * 9
+    sparse_bytes = num_items * (60 * before + 48 * after)
+    return features + lists + sparse_bytes + 2 * block_bytes
 
 
 class KReciprocalReranker:
@@ -106,9 +117,9 @@ class KReciprocalReranker:
     ) -> None:
         exact = query.dtype == np.float64 and gallery.dtype == np.float64
         dtype = np.float64 if exact else np.float32
-        features = np.concatenate([query, gallery]).astype(dtype, copy=False)
-        norms = np.maximum(np.linalg.norm(features, axis=1, keepdims=True), 1e-12)
-        self.features = features / norms  # (N, D)
+        features = np.concatenate([query, gallery]).astype(dtype, copy=False)  # a new array
+        features /= np.maximum(np.linalg.norm(features, axis=1, keepdims=True), 1e-12)
+        self.features = features  # (N, D)
         self.num_query = len(query)
         self.params = params
         self.block_bytes = block_bytes
@@ -120,6 +131,7 @@ class KReciprocalReranker:
             weights = self._query_expansion(weights, min(params.k2, num_items))
         self.query_weights = weights[: self.num_query].tocsr()  # (Q, N)
         self.gallery_columns = weights[self.num_query :].tocsc()  # (G, N): who holds column k
+        del weights
         self.query_sums = np.asarray(self.query_weights.sum(axis=1)).ravel()
         self.gallery_sums = np.asarray(self.gallery_columns.sum(axis=1)).ravel()
 
@@ -128,7 +140,10 @@ class KReciprocalReranker:
     def _distances(self, rows: slice, columns: slice | None = None) -> np.ndarray:
         """Unscaled original distances of items `rows` against items `columns` (all)."""
         other = self.features if columns is None else self.features[columns]
-        return np.maximum(2.0 - 2.0 * (self.features[rows] @ other.T), 0.0)
+        distances = self.features[rows] @ other.T
+        distances *= -2.0  # in place: 2 - 2 <x, y>, clamped at 0, no temporary of its size
+        distances += 2.0
+        return np.maximum(distances, 0.0, out=distances)
 
     def _search(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The k nearest items of every item (N, k), nearest first, ties by index, and the
@@ -245,14 +260,21 @@ class KReciprocalReranker:
         minima = np.minimum(np.repeat(block.data, counts), self.gallery_columns.data[position])
         flat = np.repeat(owners, counts) * num_gallery + self.gallery_columns.indices[position]
         shared = np.bincount(flat, weights=minima, minlength=(stop - start) * num_gallery)
+        del position, minima, flat  # the pairs go before the dense arrays come
         shared = shared.reshape(stop - start, num_gallery)  # sum_j min(V_pj, V_gj)
-        # sum_j max(a, b) = sum_j a + sum_j b - sum_j min(a, b).
-        union = self.query_sums[start:stop, None] + self.gallery_sums[None, :] - shared
-        jaccard = 1.0 - shared / union
-        original = self._distances(slice(start, stop), slice(self.num_query, None))
-        original = original / self.row_max[start:stop, None]
+        # sum_j max(a, b) = sum_j a + sum_j b - sum_j min(a, b); in place, one array at a time.
+        final = self.query_sums[start:stop, None] + self.gallery_sums[None, :]
+        final -= shared
+        np.divide(shared, final, out=final)  # min / max
+        del shared
         lam = self.params.lambda_value
-        return (1.0 - lam) * jaccard + lam * original.astype(np.float64)
+        final *= -(1.0 - lam)
+        final += 1.0 - lam  # (1 - lambda) x the Jaccard distance
+        original = self._distances(slice(start, stop), slice(self.num_query, None))
+        original /= self.row_max[start:stop, None]
+        original *= lam
+        final += original
+        return final
 
 
 def smallest(distances: np.ndarray, k: int) -> np.ndarray:
