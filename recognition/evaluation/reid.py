@@ -68,8 +68,8 @@ def rank_gallery(
     lambda, or None). Raises ValueError for mismatched shapes or when no query has a true
     match.
     """
-    q = _unit(query_embeddings, "query_embeddings")
-    g = _unit(gallery_embeddings, "gallery_embeddings")
+    q = _matrix(query_embeddings, "query_embeddings")
+    g = _matrix(gallery_embeddings, "gallery_embeddings")
     query_ids, query_cams = _ids(query_ids, len(q), "query"), _ids(query_cams, len(q), "query")
     gallery_ids = _ids(gallery_ids, len(g), "gallery")
     gallery_cams = _ids(gallery_cams, len(g), "gallery")
@@ -84,13 +84,12 @@ def rank_gallery(
     inverse_penalties: list[np.ndarray] = []
     num_skipped = 0
     if rerank is None:
-        blocks = _cosine_blocks(q, g, chunk_size)
-    else:  # float32 unless the caller's embeddings are float64 (the tests' exact path)
-        exact = all(
-            np.asarray(e).dtype == np.float64 for e in (query_embeddings, gallery_embeddings)
+        blocks = _cosine_blocks(_unit(q), _unit(g), chunk_size)
+    else:  # float32 (no copy of float32 embeddings) unless both are float64 (the tests')
+        dtype = np.float64 if q.dtype == g.dtype == np.float64 else np.float32
+        reranker = KReciprocalReranker(
+            q.astype(dtype, copy=False), g.astype(dtype, copy=False), rerank
         )
-        dtype = np.float64 if exact else np.float32
-        reranker = KReciprocalReranker(q.astype(dtype), g.astype(dtype), rerank)
         blocks = ((a, b, -d) for a, b, d in reranker.distance_blocks())
     for start, stop, scores in blocks:
         first, precisions, inverse_penalty, skipped = _block_metrics(
@@ -184,10 +183,16 @@ def report_reid(results: dict[str, dict], *, json_path: Path | None = None) -> s
     return print_report(format_reid_table(results), to_json_dict(payload), json_path)
 
 
-def _unit(x: np.ndarray, name: str) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
+def _matrix(x: np.ndarray, name: str) -> np.ndarray:
+    x = np.asarray(x)
     if x.ndim != 2 or len(x) == 0:
         raise ValueError(f"{name}: expected a non-empty (N, D) array, got shape {x.shape}")
+    return x
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    """Rows scaled to unit length, in float64."""
+    x = np.asarray(x, dtype=np.float64)
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
