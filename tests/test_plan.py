@@ -309,7 +309,6 @@ def _bytes(tensors, dtype=None) -> int:
         ("O0", "bf16", "sgd", 1),
         ("O2", "bf16", "sgd", 3),
         ("O1", "bf16", "adamw", 2),
-        ("O2", "bf16", "adam", 2),  # Adam (L2 decay): the state of AdamW
         ("O3", "bf16", "sgd", 2),
         ("O2", "fp16", "sgd", 2),  # the sharded loss scaler, stepped as on a GPU
     ],
@@ -348,7 +347,7 @@ def test_persistent_memory_matches_the_closed_form(level, dtype, optimizer, worl
         class_rows, masters, stepped = rows * dim * 2, 0, param_numel * 2
     parameters += _bytes(counters)
     num_params = len(trained) + 1
-    # SGD: a momentum buffer per parameter; Adam(W): two moments and a float32 step count.
+    # SGD: a momentum buffer per parameter; AdamW: two moments and a float32 step count.
     state = stepped if optimizer == "sgd" else 2 * stepped + 4 * num_params
 
     assert plan.num_local_classes == rows
