@@ -31,7 +31,7 @@ TINY = [
 def test_the_config_holds_the_recipe():
     cfg = load_config("market1501_bot")
     assert (cfg.model.backbone, cfg.model.embedding_size) == ("resnet50_reid", 2048)
-    assert cfg.data.image_size == [256, 128] and cfg.data.flip
+    assert cfg.data.image_size == [256, 128] and cfg.data.augment.preset == "reid"
     assert (cfg.data.sampler, cfg.data.pk_instances, cfg.train.batch_size) == ("pk", 4, 64)
     head = cfg.head
     assert (head.label_smoothing, head.id_weight, head.triplet_weight) == (0.1, 1.0, 1.0)
