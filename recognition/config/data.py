@@ -17,11 +17,16 @@ class DataConfig:
 
     root: str = "data/synthetic/train"
     """An image folder (one sub-folder per identity), a folder holding an insightface
-    RecordIO pack (`train.rec` + `train.idx`) or a Market-1501 folder
-    (`bounding_box_train/`); see `format`."""
-    format: Literal["auto", "folder", "recordio", "market1501"] = "auto"
+    RecordIO pack (`train.rec` + `train.idx`), or a person re-id data set's release: a
+    Market-1501 / DukeMTMC-reID folder (`bounding_box_train/`), MSMT17 (its list files) or
+    CUHK03 (the new protocol's split files); see `format`."""
+    format: Literal["auto", "folder", "recordio", "market1501", "msmt17", "cuhk03"] = "auto"
     """auto: recordio when root holds train.rec and train.idx, market1501 when it holds
-    bounding_box_train/, else folder."""
+    bounding_box_train/, msmt17 when list_train.txt (and train/ or mask_train_v2/), cuhk03
+    when cuhk03_new_protocol_config_*.mat, else folder."""
+    cuhk03_boxes: Literal["labeled", "detected"] = "labeled"
+    """CUHK03: train on the hand-labeled boxes (cuhk03_new_protocol_config_labeled.mat over
+    images_labeled/) or the detected ones."""
     image_size: int | list[int] = 112
     """Input size in pixels: one side (a square, 112 for aligned faces) or [H, W] (e.g.
     [256, 128] for person crops); images of any size are resized to it."""
