@@ -6,6 +6,7 @@
   python evaluate.py --checkpoint CKPT --images FOLDER --export-embeddings EMB.npz
   python evaluate.py --embeddings EMB.npz --pairs PAIRS [--json OUT.json]
   python evaluate.py --embeddings EMB.npz --reid   # paths query/..., bounding_box_test/...
+  python evaluate.py --checkpoint CKPT --reid MSMT17_V1 --rerank   # k-reciprocal re-ranking
   python evaluate.py --checkpoint CKPT --ijb IJB_ROOT --ijb-name ijbc [--save-features F.npz]
   python evaluate.py --checkpoint CKPT --ijb IJB_ROOT --ijb-name ijbc --ijb-mode 1n   # 1:N
   python evaluate.py                      # the last run of the default config, on what it
@@ -39,6 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     _add_source_args(parser)
+    _add_reid_args(parser)
     _add_ijb_args(parser)
     _add_output_args(parser)
     _add_extraction_args(parser)
@@ -77,9 +79,46 @@ def _add_source_args(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const=Path("."),
         metavar="ROOT",
-        help="re-id ranking (CMC, mAP) on a Market-1501 layout: ROOT/query and "
-        "ROOT/bounding_box_test; with --embeddings no ROOT is needed",
+        help="re-id ranking (CMC, mAP, mINP) on a re-id data set: Market-1501's (or "
+        "DukeMTMC-reID's) ROOT/query and ROOT/bounding_box_test, MSMT17's list files, "
+        "CUHK03's new-protocol split; with --embeddings of a Market-1501 layout no ROOT is "
+        "needed",
     )
+
+
+def _add_reid_args(parser: argparse.ArgumentParser) -> None:
+    """The re-id ranking's options (--reid): k-reciprocal re-ranking, CUHK03's boxes."""
+    parser.add_argument(
+        "--rerank",
+        action="store_true",
+        help="rank by the k-reciprocal re-ranked distance (Zhong et al. 2017)",
+    )
+    parser.add_argument("--rerank-k1", type=int, metavar="K1", help="re-ranking's k1 (default 20)")
+    parser.add_argument("--rerank-k2", type=int, metavar="K2", help="re-ranking's k2 (default 6)")
+    parser.add_argument(
+        "--rerank-lambda", type=float, metavar="L", help="re-ranking's lambda (default 0.3)"
+    )
+    parser.add_argument(
+        "--cuhk03-boxes",
+        choices=["labeled", "detected"],
+        default="labeled",
+        help="CUHK03: the split of the hand-labeled boxes or of the detected ones",
+    )
+
+
+def _reid_options(args: argparse.Namespace) -> dict:
+    """evaluate_reid's keyword arguments from --rerank* and --cuhk03-boxes (flags checked)."""
+    from recognition.evaluation.rerank import RerankParams
+
+    flags = (("k1", args.rerank_k1), ("k2", args.rerank_k2), ("lambda_value", args.rerank_lambda))
+    given = {name: value for name, value in flags if value is not None}
+    if args.reid is None and (args.rerank or given):
+        raise ValueError("--rerank: re-ranks the re-id ranking; use it with --reid")
+    if given and not args.rerank:
+        flag = "--rerank-" + next(iter(given)).replace("_value", "")
+        raise ValueError(f"{flag}: only with --rerank")
+    rerank = RerankParams(**given) if args.rerank else None
+    return {"rerank": rerank, "cuhk03_boxes": args.cuhk03_boxes}
 
 
 def _add_ijb_args(parser: argparse.ArgumentParser) -> None:
@@ -205,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         image_size = None
         if args.image_size is not None:
             image_size = parse_image_size(args.image_size, "--image-size")
+        if args.rerank or (args.rerank_k1, args.rerank_k2, args.rerank_lambda) != (None,) * 3:
+            _reid_options(args)  # a --rerank flag out of place stops before any work
         if args.ijb is not None:
             return _ijb(args, image_size)
         if args.embeddings is not None:
@@ -239,9 +280,15 @@ def _from_checkpoint(
     image_size = image_size_arg or image_size
     if args.reid is not None:
         name = args.reid.resolve().name
+        options = _reid_options(args)
         return {
             name: reid.evaluate_reid(
-                backbone, args.reid, image_size, extraction, export_path=args.export_embeddings
+                backbone,
+                args.reid,
+                image_size,
+                extraction,
+                export_path=args.export_embeddings,
+                **options,
             )
         }
     if not targets and args.images is not None and args.export_embeddings:
@@ -373,7 +420,13 @@ def _from_embeddings(args: argparse.Namespace) -> dict[str, dict]:
 
     embeddings, paths = load_embeddings(args.embeddings)
     if args.reid is not None:
-        return {args.embeddings.stem: reid.reid_from_embeddings(embeddings, paths, args.embeddings)}
+        # --reid alone: Market-1501's names; --reid ROOT: the data set's lists.
+        root = None if args.reid == Path(".") else args.reid
+        return {
+            args.embeddings.stem: reid.reid_from_embeddings(
+                embeddings, paths, str(args.embeddings), root=root, **_reid_options(args)
+            )
+        }
     if args.pairs is None:
         raise ValueError("--embeddings needs --pairs (or --reid)")
     name = EvalTarget(pairs=str(args.pairs)).label

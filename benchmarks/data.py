@@ -2,7 +2,8 @@
 
     python -m benchmarks.data --tree /tmp/bench_tree          # 100k folders x 10 files
     python -m benchmarks.data --tree /tmp/t --classes 1000 --files-per-class 10 --json d.json
-    python -m benchmarks.data --skip-index                    # the loader part only
+    python -m benchmarks.data --skip-index                    # the loader and augment parts
+    python -m benchmarks.data --skip-index --skip-loader --json results/augment_cpu.json
 
 **Index** (a generated tree of `--classes` identity folders x `--files-per-class` empty
 `.jpg` files, made once and reused): each method runs in a fresh process, which reports the
@@ -27,6 +28,20 @@ of one worker) and with 1 and 2 workers, for both kinds of worker (`data.decode`
                        the GPU decodes them later, which this loader-only figure leaves out
 
 One warm-up pass first (page cache), then the median of `--repeats` passes.
+
+**Augment**: what `data.augment` costs a loader worker, per preset (none, flip, face, reid),
+over the same image folder at --augment-size (112, the JPEGs' size; 48 is the default
+config's), in rounds that take the presets in turn (so that a busy spell of a shared machine
+hits them alike), each figure the median over the rounds:
+
+    worker (cpu)       images/s of the DataLoader in the main process (0 workers: the rate
+                       of one worker) that decodes, resizes, augments (AugmentedView) and
+                       normalises; and its ratio to the `flip` preset's (today's default)
+    augment alone      microseconds per image of AugmentedView over images decoded
+                       beforehand (in memory): the draw and the transforms, nothing else;
+                       per preset, and per operation (each alone on every image)
+    batched (device)   microseconds per image of `augment_batch` (data.decode=gpu's code)
+                       over a batch of --batch-size on the CPU, and on CUDA when there is one
 """
 
 from __future__ import annotations
@@ -137,6 +152,7 @@ def run_loader(work: Path, num_images: int, repeats: int, batch_size: int) -> li
     import torch
     from torch.utils.data import DataLoader
 
+    from recognition.config import AugmentConfig
     from recognition.data import pack
     from recognition.data.gpu_decode import EncodedView, collate_encoded
     from recognition.data.image_folder import ImageFolderDataset
@@ -156,11 +172,12 @@ def run_loader(work: Path, num_images: int, repeats: int, batch_size: int) -> li
     }
     rows = []
     torch.set_num_threads(1)
+    flip = AugmentConfig(preset="flip")
     for name, source in sources.items():
         mean_kib = os.path.getsize(work / "rec" / "train.rec") / len(source) / 1024
         kinds = {
-            "decode (cpu)": (AugmentedView(source, flip=True), None),
-            "bytes only (gpu)": (EncodedView(source, flip=True), collate_encoded),
+            "decode (cpu)": (AugmentedView(source, flip), None),
+            "bytes only (gpu)": (EncodedView(source, flip), collate_encoded),
         }
         for kind, (view, collate) in kinds.items():
             for workers in (0, 1, 2):
@@ -198,6 +215,173 @@ def run_loader(work: Path, num_images: int, repeats: int, batch_size: int) -> li
     return rows
 
 
+# ---------------------------------------------------------------------- augment
+
+AUGMENT_PRESETS = ("none", "flip", "face", "reid")
+# Each operation alone, on every image, with the face preset's ranges (pad: the reid one's).
+AUGMENT_OPERATIONS = {
+    "crop, resize": {"crop": 1.0, "crop_scale": [0.2, 1.0]},
+    "crop, in_place": {"crop": 1.0, "crop_mode": "in_place", "crop_scale": [0.2, 1.0]},
+    "crop, pad": {"crop": 1.0, "crop_mode": "pad"},
+    "colour": {"colour": 1.0, "brightness": 0.5, "contrast": 0.5, "saturation": 0.5},
+    "grey": {"grey": 1.0},
+    "low_res": {"low_res": 1.0, "low_res_scale": [0.2, 1.0]},
+    "blur": {"blur": 1.0, "blur_sigma": [0.5, 1.5]},
+    "erase": {"erase": 1.0, "erase_scale": [0.02, 0.4]},
+}
+
+
+class _InMemory:
+    """The first `count` samples of `source`, decoded once (augment alone, no decode)."""
+
+    def __init__(self, source, count: int) -> None:
+        self.samples = [source[i] for i in range(min(count, len(source)))]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        return self.samples[index]
+
+
+def run_augment(
+    work: Path, num_images: int, repeats: int, batch_size: int, size: int = 112
+) -> list[dict]:
+    import torch
+
+    from recognition.config import AugmentConfig
+    from recognition.data.image_folder import ImageFolderDataset
+    from recognition.data.synthetic import SyntheticSpec, ensure_synthetic_dataset
+
+    per = 16
+    spec = SyntheticSpec.training_set(max(1, num_images // per), per)
+    folder = ensure_synthetic_dataset(work / "synthetic", spec) / "train"
+    source = ImageFolderDataset(folder, size)  # the 112 px JPEGs, resized to `size`
+    memory = _InMemory(source, 512)
+    torch.set_num_threads(1)
+    presets = {name: AugmentConfig(preset=name) for name in AUGMENT_PRESETS}
+    operations = {
+        name: AugmentConfig(preset="none", **settings)
+        for name, settings in AUGMENT_OPERATIONS.items()
+    }
+    batch = torch.stack([memory[i][0] for i in range(min(batch_size, len(memory)))])
+    timings: dict[tuple[str, str], list[float]] = {}
+    for round_ in range(repeats + 1):  # round 0 warms up (page cache, first calls)
+        measured: dict[tuple[str, str], float] = {}
+        for name, cfg in presets.items():
+            measured[(name, "worker")] = _worker_rate(source, cfg, batch_size, round_)
+            measured[(name, "alone")] = _alone_us(memory, cfg, round_)
+            for kind, us in _batched_us(batch, cfg, round_).items():
+                measured[(name, kind)] = us
+        for name, cfg in operations.items():
+            measured[(name, "alone")] = _alone_us(memory, cfg, round_)
+        if round_ > 0:
+            for key, value in measured.items():
+                timings.setdefault(key, []).append(value)
+    rows = _augment_rows(timings, len(source) // batch_size * batch_size, repeats)
+    return [{**row, "size": size} for row in rows]
+
+
+def _worker_rate(source, cfg, batch_size: int, epoch: int) -> float:
+    """Images/s of a DataLoader in this process (a worker's rate): decode and augment."""
+    from torch.utils.data import DataLoader
+
+    from recognition.data.sampler import AugmentedView, ResumableSampler
+
+    sampler = ResumableSampler(len(source), seed=0)
+    sampler.set_epoch(epoch)
+    loader = DataLoader(AugmentedView(source, cfg), batch_size=batch_size, sampler=sampler,
+                        drop_last=True)  # fmt: skip
+    start = time.perf_counter()
+    count = sum(len(labels) for _, labels in loader)
+    return count / (time.perf_counter() - start)
+
+
+def _alone_us(memory, cfg, epoch: int) -> float:
+    """Microseconds per image of AugmentedView over decoded images: the augmentation alone."""
+    from recognition.data.sampler import AugmentedView
+
+    view = AugmentedView(memory, cfg)
+    start = time.perf_counter()
+    for i in range(len(memory)):
+        view[(i, 1000 * epoch + i)]
+    return (time.perf_counter() - start) / len(memory) * 1e6
+
+
+def _batched_us(batch, cfg, epoch: int) -> dict[str, float]:
+    """Microseconds per image of augment_batch over `batch`, on the CPU and on CUDA."""
+    import torch
+
+    from recognition.data.augment import draw_augment
+    from recognition.data.augment_batch import augment_batch
+
+    size = tuple(batch.shape[-2:])
+    params = [draw_augment(cfg, 7 * epoch + i, size) for i in range(len(batch))]
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    result = {}
+    for device in devices:
+        images = batch.to(device).mul(0.5).add(0.5)
+        _sync(device)
+        start = time.perf_counter()
+        augment_batch(images, params)
+        _sync(device)
+        result[device.type] = (time.perf_counter() - start) / len(batch) * 1e6
+    return result
+
+
+def _augment_rows(timings: dict, images: int, repeats: int) -> list[dict]:
+    """One row per preset (medians, the ratio to flip's worker rate), then per operation."""
+    flip_rate = statistics.median(timings[("flip", "worker")])
+    rows = []
+    for name in AUGMENT_PRESETS:
+        rate = statistics.median(timings[(name, "worker")])
+        cuda = timings.get((name, "cuda"))
+        rows.append(
+            {
+                "preset": name,
+                "worker_images_per_sec": rate,
+                "x_flip": rate / flip_rate,
+                "augment_alone_us": statistics.median(timings[(name, "alone")]),
+                "batched_cpu_us": statistics.median(timings[(name, "cpu")]),
+                "batched_cuda_us": statistics.median(cuda) if cuda else None,
+                "images": images,
+                "rounds": repeats,
+            }
+        )
+    for name in AUGMENT_OPERATIONS:
+        us = statistics.median(timings[(name, "alone")])
+        rows.append({"operation": name, "augment_alone_us": us, "rounds": repeats})
+    return rows
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def print_augment(rows: list[dict], batch_size: int) -> None:
+    print(f"\nAugmentation, {rows[0]['size']} px, {rows[0]['images']} images per pass, medians of "
+          f"{rows[0]['rounds']} rounds")  # fmt: skip
+    print("| data.augment | worker images/s | x flip | augment alone (us/image) | batched, "
+          f"CPU (us/image, batch {batch_size}) | batched, CUDA (us/image) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    presets = [r for r in rows if "preset" in r]
+    for r in presets:
+        cuda = "-" if r["batched_cuda_us"] is None else f"{r['batched_cuda_us']:.2f}"
+        print(
+            f"| {r['preset']} | {r['worker_images_per_sec']:.0f} | {r['x_flip']:.2f} "
+            f"| {r['augment_alone_us']:.0f} | {r['batched_cpu_us']:.0f} | {cuda} |"
+        )
+    print("\nEach operation on every image, alone (the conversion to [0, 1] and back included)")
+    print("| operation | us/image |")
+    print("|---|---|")
+    for r in rows:
+        if "operation" in r:
+            print(f"| {r['operation']} | {r['augment_alone_us']:.0f} |")
+
+
 # ---------------------------------------------------------------------- main
 
 
@@ -209,6 +393,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keep-tree", action="store_true", help="do not delete the tree")
     parser.add_argument("--skip-index", action="store_true")
     parser.add_argument("--skip-loader", action="store_true")
+    parser.add_argument("--skip-augment", action="store_true")
+    parser.add_argument("--augment-size", type=int, default=112, help="input side, augment part")
     parser.add_argument("--loader-images", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=128)
@@ -256,6 +442,16 @@ def main(argv: list[str] | None = None) -> None:
                 f"| {r['images_per_sec']:.0f} | {per_worker:.0f} |"
             )
         print(f"(mean encoded image: {rows[0]['mean_image_kib']:.1f} KiB)")
+    if not args.skip_augment:
+        work = Path(tempfile.mkdtemp(prefix="bench_augment"))
+        try:
+            rows = run_augment(
+                work, args.loader_images, args.repeats, args.batch_size, args.augment_size
+            )
+        finally:
+            shutil.rmtree(work)
+        results["augment"] = rows
+        print_augment(rows, args.batch_size)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -17,8 +17,10 @@ Sections, in order of value (benchmarks/gpu_sections.py measures them):
                and the tiles the kernels chose by timing;
 3. throughput  IResNet-50, 112 px, batch 256, bf16, channels-last: model-only images/s eager,
                its memory plan, the aten operations of its step counted on the CPU
-               (benchmarks/step_ops.py), end to end from a JPEG folder it generates with
-               data.decode cpu and gpu, and compiled last (benchmarks/train_throughput.py);
+               (benchmarks/step_ops.py), the data.augment=face batch on the device
+               (augment_batch) against the model's step, end to end from a JPEG folder it
+               generates with data.decode cpu and gpu, and compiled last
+               (benchmarks/train_throughput.py);
 4. multi_gpu   with 2 GPUs: a DDP run with SyncBN and a 2-stage pipeline run
                (benchmarks/train_scaling.py's run_one); skipped, and said so, on one;
 5. training    `python train.py` of the default config at 112 px on the GPU, to its

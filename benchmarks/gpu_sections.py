@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT, log_tail, run_command
+from benchmarks.common import REPO_ROOT, exit_after_last_line, log_tail, run_command
 
 MARGIN_S = 3.0  # the runner kills the section at its limit: stop planning a bit before
 GIB = 2**30
@@ -369,6 +369,7 @@ def section_throughput(run: SectionRun) -> None:
     else:
         _plan_row(run, plan, base, model)
     _ops_row(run, plan)
+    _augment_row(run, cfg, device, model["images_per_s"])
     for decode in ("cpu", "gpu"):
         _end_to_end(run, plan, folder, base, decode, model["images_per_s"], train_throughput)
     what = "model only, compiled"
@@ -472,6 +473,36 @@ def _end_to_end(run: SectionRun, plan, folder: Path, base: list[str], decode: st
             x_model=ratio, workers=workers, **e2e)  # fmt: skip
 
 
+def _augment_row(run: SectionRun, cfg, device, model_rate: float) -> None:
+    """data.augment=face as data.decode=gpu applies it (`augment_batch`) to a batch of the
+    run's size and input size on the device: images/s and the share of a model-only step it
+    adds. The draws (the loader's workers' work) are not timed; the median of 5 after 2."""
+    import torch
+
+    from recognition.config import AugmentConfig
+    from recognition.data.augment import draw_augment
+    from recognition.data.augment_batch import augment_batch
+
+    what = "augment on the device, data.augment=face"
+    batch, size = cfg.train.batch_size, cfg.data.image_hw
+    augment = AugmentConfig(preset="face")
+    images = torch.rand(batch, 3, *size, device=device)
+    seconds = []
+    for rep in range(7):
+        params = [draw_augment(augment, rep * batch + i, size) for i in range(batch)]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        augment_batch(images, params)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    rate = batch / statistics.median(seconds[2:])
+    share = model_rate / rate  # the step's time, as a fraction of the model's
+    text = f"{rate:,.0f} images/s, +{100 * share:.1f} % of a model-only step (batch {batch})"
+    run.add(what, text, images_per_s=rate, share_of_model_step=share, batch=batch)
+
+
 # ---------------------------------------------------------------- 4. two GPUs
 
 
@@ -514,17 +545,6 @@ def training_overrides(run: SectionRun) -> list[str]:
         "data.image_size=48", "train.max_steps=4", "train.batch_size=16", "data.num_workers=0",
         "train.log_every=2", f"train.device={'cuda' if run.gpu else 'cpu'}",
     ]  # fmt: skip
-
-
-_EXIT_LINE = re.compile(r"exiting with status \d+, ([0-9.]+) s after train\.py started")
-
-
-def exit_after_last_line(output: str, wall_s: float) -> float | None:
-    """Seconds from train.py's last line (`exiting with status S, T s after train.py
-    started`) to the end of its process, which ran `wall_s`: the interpreter's start and
-    teardown (a loader whose workers outlive the run shows here); None without the line."""
-    found = _EXIT_LINE.findall(output)
-    return None if not found else max(0.0, wall_s - float(found[-1]))
 
 
 def section_training(run: SectionRun) -> None:

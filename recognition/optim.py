@@ -80,7 +80,7 @@ def _split_decay(
 
 
 def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """SGD with momentum or AdamW over prepared parameter groups, fused where that is sound.
+    """SGD with momentum, AdamW or Adam over prepared parameter groups, fused where sound.
 
     Fused (one multi-tensor kernel per device and dtype) because only a fused optimizer can
     skip a step on the device: `Precision.step` hands it the step's inf/NaN flag as
@@ -99,6 +99,8 @@ def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimiz
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
+    if cfg.name == "adam":  # the groups' weight_decay is an L2 term in the gradient
+        return torch.optim.Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
     raise ValueError(f"optim.name: unknown optimizer {cfg.name!r}")
 
 

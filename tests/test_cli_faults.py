@@ -70,6 +70,22 @@ def test_non_finite_numbers_are_named_by_their_own_key(value, capsys):
     assert "optim.lr: must be a finite number" in line
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.augment=faces", "data.augment.preset: 'faces' is not one of none, flip, face"),
+        ("data.augment.erase=2", "data.augment.erase: 2.0 is a probability"),
+        ("data.augment.crop_scale=[1, 0.5]", "data.augment.crop_scale: [1, 0.5] is upside down"),
+    ],
+)
+def test_a_bad_augmentation_is_one_line_before_anything_is_written(
+    override, message, tmp_path, capsys
+):
+    assert train.main([override, f"output_dir={tmp_path / 'run'}"]) == 2
+    assert message in one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+
+
 def test_config_that_is_not_utf8_names_the_file(tmp_path, capsys):
     path = tmp_path / "latin1.yaml"
     path.write_bytes("train:\n  epochs: 1  # caf\xe9\n".encode("latin-1"))

@@ -442,3 +442,19 @@ def test_an_arcface_torch_state_dict_starts_the_run_with_its_weights(
     for key, value in state.items():
         expected = value.half().float() if value.is_floating_point() else value
         assert torch.equal(loaded[key], expected), key
+
+
+def test_the_run_gives_the_backbone_its_scale_and_the_head_the_full_rate(image_folder, tmp_path):
+    """The run's own optimizer (build_model), not param_groups called by hand: every backbone
+    parameter at optim.lr x optim.backbone_lr_scale, the head's class rows at optim.lr. The
+    test above hands param_groups the scales itself, so it holds whichever module the run
+    gives the scale to."""
+    from recognition.training.build import build_model
+
+    cfg = tiny_config(image_folder, tmp_path, "optim.backbone_lr_scale=0.25", "optim.lr=0.2")
+    parts = build_model(cfg, DistInfo(), 10, None, torch.preserve_format)
+    lr_of = {id(p): group["lr"] for group in parts.optimizer.param_groups for p in group["params"]}
+    # (IResNet's last BatchNorm keeps its scale fixed: not trained, not in the optimizer.)
+    backbone = [p for p in parts.backbone.parameters() if p.requires_grad]
+    assert len(backbone) > 90 and all(lr_of[id(p)] == pytest.approx(0.05) for p in backbone)
+    assert lr_of[id(parts.head.weight)] == pytest.approx(0.2)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import REPO, child_env
 
-from benchmarks import gpu_check, gpu_sections
+from benchmarks import common, gpu_check, gpu_sections
 
 # ---- running a section --------------------------------------------------------------------
 
@@ -323,8 +323,8 @@ def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
     # The cheap rows before the end-to-end runs, compiling last.
     assert list(throughput) == [
         "model only, eager", "memory plan of the eager step",
-        "aten operations per step (CPU count)", "end to end, data.decode=cpu",
-        "end to end, data.decode=gpu", "model only, compiled",
+        "aten operations per step (CPU count)", "augment on the device, data.augment=face",
+        "end to end, data.decode=cpu", "end to end, data.decode=gpu", "model only, compiled",
     ]  # fmt: skip
     ops = throughput["aten operations per step (CPU count)"]
     assert ops["status"] == "ok" and ops["data"]["ops_per_step"] == sum(
@@ -342,6 +342,11 @@ def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
     assert model_rate > 0 and cpu["images_per_s"] > 0
     assert cpu["x_model"] == pytest.approx(cpu["images_per_s"] / model_rate)
     assert throughput["end to end, data.decode=gpu"]["status"] == "skipped"
+    augment = throughput["augment on the device, data.augment=face"]
+    assert augment["status"] == "ok" and augment["data"]["images_per_s"] > 0
+    assert augment["data"]["share_of_model_step"] == pytest.approx(
+        model_rate / augment["data"]["images_per_s"]
+    )
     memory_plan = throughput["memory plan of the eager step"]
     assert memory_plan["status"] == "skipped" and "on a GPU only" in memory_plan["result"]
     # At least the backbone's fp32 parameters and their gradients (1/8-width IResNet-18).
@@ -712,6 +717,6 @@ def test_the_exit_is_timed_from_train_pys_last_line():
     log = ("12:00:00 INFO recognition.training.loop: stopped 8 loader workers\n"
            "12:00:59 INFO recognition.train: exiting with status 0, 58.6 s after train.py "
            "started\n")  # fmt: skip
-    assert gpu_sections.exit_after_last_line(log, 59.1) == pytest.approx(0.5)
-    assert gpu_sections.exit_after_last_line(log, 58.0) == 0.0  # clocks apart: not negative
-    assert gpu_sections.exit_after_last_line("no such line\n", 59.1) is None
+    assert common.exit_after_last_line(log, 59.1) == pytest.approx(0.5)
+    assert common.exit_after_last_line(log, 58.0) == 0.0  # clocks apart: not negative
+    assert common.exit_after_last_line("no such line\n", 59.1) is None

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from test_head import MARGIN_CASES
+from test_reid_losses import check_label_smoothing, check_triplet
 
 from recognition import distributed
 from recognition.heads import ShardedMarginSoftmax, shard_range
@@ -298,5 +299,7 @@ def test_sharded_head_matches_single_process_reference(world_size, tmp_path):
             check_backbone_under_ddp,
             check_partial_fc,
             check_bad_inputs_raise_on_every_rank,
+            check_label_smoothing,
+            check_triplet,
         ),
     )

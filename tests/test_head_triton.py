@@ -538,3 +538,21 @@ def test_one_chunk_of_rounded_rows_at_a_time(monkeypatch):
         run_head(head, embeddings, labels)
     assert len(made) == 2 * 8  # chunks of one 128-class tile, forward and backward
     assert most_alive[0] <= 1  # the previous chunk, still named by the loop, at most
+
+
+def test_label_smoothing_on_the_triton_path(backward):
+    """Label smoothing's term is the same on either kernel: the Triton head against the
+    full-logit F.cross_entropy(label_smoothing=0.1) in float64."""
+    from test_reid_losses import smoothed_reference
+
+    torch.manual_seed(3)
+    fast = ShardedMarginSoftmax(129, EMBEDDING_SIZE, CosFace(s=16.0, m=0.35), kernel="triton",
+                                label_smoothing=0.1)  # fmt: skip
+    embeddings, labels = make_labels_with_duplicates(129, 7, seed=3)
+    loss, grad_e, grad_w = run_head(fast, embeddings, labels)
+    ref_loss, ref_grad_e, ref_grad_w = smoothed_reference(
+        embeddings, fast.weight, labels, 16.0, lambda t: torch.cos(t) - 0.35, 0.1
+    )
+    assert_close_rel(loss, ref_loss, 1e-5)
+    assert_close_rel(grad_e, ref_grad_e, 1e-5)
+    assert_close_rel(grad_w, ref_grad_w, 1e-5)

@@ -118,7 +118,7 @@ def test_adamw_built_with_betas():
     assert opt.param_groups[0]["weight_decay"] == 0.05
 
 
-@pytest.mark.parametrize("name", ["sgd", "adamw"])
+@pytest.mark.parametrize("name", ["sgd", "adamw", "adam"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_optimizer_steps_right_on_cpu_parameters_of_every_dtype(name, dtype):
     """Three steps of the project's optimizer (fused where `fused_is_sound` allows) against
@@ -142,8 +142,11 @@ def test_the_optimizer_steps_right_on_cpu_parameters_of_every_dtype(name, dtype)
         if name == "sgd":  # torch.optim.SGD: d = g + wd w; buf = m buf + d; w -= lr buf
             buffer = cfg.momentum * buffer + g + 0.01 * weight
             weight = weight - 0.1 * buffer
-        else:  # AdamW: decoupled decay, bias-corrected moments
-            weight = weight * (1 - 0.1 * 0.01)
+        else:  # AdamW: decoupled decay; Adam: an L2 term in the gradient; both bias-corrected
+            if name == "adamw":
+                weight = weight * (1 - 0.1 * 0.01)
+            else:
+                g = g + 0.01 * weight
             buffer = beta1 * buffer + (1 - beta1) * g
             second = beta2 * second + (1 - beta2) * g * g
             denominator = (second / (1 - beta2**step)).sqrt() + 1e-8

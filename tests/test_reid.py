@@ -1,4 +1,5 @@
-"""Re-id CMC / mAP against a per-query loop, scikit-learn's AP and hand-checked cases."""
+"""Re-id CMC / mAP / mINP against a per-query loop, scikit-learn's AP, the definition of INP
+and hand-checked cases (with ties)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def reference(qf, qid, qcam, gf, gid, gcam, max_rank=50):
     qf = qf / np.linalg.norm(qf, axis=1, keepdims=True)
     gf = gf / np.linalg.norm(gf, axis=1, keepdims=True)
     cmc = np.zeros(max_rank)
-    aps, skipped = [], 0
+    aps, inps, skipped = [], [], 0
     for i in range(len(qf)):
         scores = []
         labels = []
@@ -35,8 +36,11 @@ def reference(qf, qid, qcam, gf, gid, gcam, max_rank=50):
         if first < max_rank:
             cmc[first:] += 1
         aps.append(average_precision_score(labels, scores))
+        # INP = |G_i| / R_hard: the matches over the 1-based rank of the last of them.
+        hardest = max(r for r in range(len(ranked)) if ranked[r]) + 1
+        inps.append(labels.sum() / hardest)
     valid = len(qf) - skipped
-    return cmc / valid, float(np.mean(aps)), skipped
+    return cmc / valid, float(np.mean(aps)), skipped, float(np.mean(inps))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -53,9 +57,10 @@ def test_matches_the_reference_on_random_data(seed):
     gf = centres[np.maximum(gid, 0)] + 1.2 * rng.normal(size=(300, dim))
     qf = centres[qid] + 1.2 * rng.normal(size=(60, dim))
     result = rank_gallery(qf, qid, qcam, gf, gid, gcam, chunk_size=7)
-    cmc, mean_ap, skipped = reference(qf, qid, qcam, gf, gid, gcam)
+    cmc, mean_ap, skipped, mean_inp = reference(qf, qid, qcam, gf, gid, gcam)
     assert result["num_skipped"] == skipped
     assert result["mAP"] == pytest.approx(mean_ap, abs=1e-12)
+    assert result["mINP"] == pytest.approx(mean_inp, abs=1e-12)
     np.testing.assert_allclose(result["cmc"], cmc, atol=1e-12)
     for k in (1, 5, 10):
         assert result[f"rank{k}"] == pytest.approx(cmc[k - 1], abs=1e-12)
@@ -78,8 +83,9 @@ def test_hand_checked_case():
     gid = np.array([1, -1, 0, 1, 2, 1])
     gcam = np.array([1, 2, 2, 2, 2, 3])
     result = rank_gallery(at([0]), np.array([1]), np.array([1]), gallery, gid, gcam, max_rank=5)
-    # AP = (1/2 + 2/4) / 2 = 0.5; first match at rank 2.
+    # AP = (1/2 + 2/4) / 2 = 0.5; first match at rank 2; INP = 2 matches / rank 4 = 0.5.
     assert result["mAP"] == pytest.approx(0.5)
+    assert result["mINP"] == pytest.approx(0.5)
     assert result["cmc"] == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert result["rank1"] == 0.0 and result["rank5"] == 1.0
 
@@ -90,6 +96,27 @@ def test_hand_checked_case():
     assert two["num_skipped"] == 1 and two["mAP"] == pytest.approx(0.5)
     table = format_reid_table({"market": two})
     assert "market" in table.splitlines()[2] and "50.00" in table
+    assert "mINP %" in table.splitlines()[0] and two["rerank"] is None
+
+
+def test_ties_keep_gallery_order_for_cmc_map_and_minp():
+    # Embeddings whose cosines are exactly 1, 0 or -1: ties are exact, whatever the BLAS.
+    gallery = np.array([[0, 1], [1, 0], [0, 1], [0, 1], [0, 1], [-1, 0]], dtype=np.float64)
+    gid = np.array([2, 1, 1, 3, 1, 4])
+    gcam = np.array([1, 2, 3, 2, 1, 2])
+    queries = np.array([[1, 0], [0, 1]], dtype=np.float64)
+    qid, qcam = np.array([1, 3]), np.array([1, 1])
+    result = rank_gallery(queries, qid, qcam, gallery, gid, gcam, max_rank=4)
+    # Query 1 (person 1, camera 1) at [1, 0]: gallery 1 scores 1; gallery 0, 2, 3, 4 tie at
+    # 0 and keep their order, gallery 4 (same person, same camera) removed; gallery 5 last.
+    # Kept ranking: 1 (match), 0, 2 (match), 3, 5. AP = (1/1 + 2/3) / 2, INP = 2 / 3.
+    # Query 2 (person 3, camera 1) at [0, 1]: gallery 0, 2, 3, 4 tie at 1 in gallery order,
+    # then 1, 5. Its match, gallery 3, is third: AP = 1/3, INP = 1/3.
+    # Another tie rule would move both hardest matches (matches first: INP 1 and 1; last:
+    # 2/4 and 1/4).
+    assert result["mAP"] == pytest.approx(((1 + 2 / 3) / 2 + 1 / 3) / 2)
+    assert result["mINP"] == pytest.approx((2 / 3 + 1 / 3) / 2)
+    assert result["cmc"] == [0.5, 0.5, 1.0, 1.0]
 
 
 def test_no_valid_query_and_bad_shapes():

@@ -7,7 +7,10 @@ import itertools
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from recognition.config import AugmentConfig
 from recognition.data.sampler import AugmentedView, ResumableSampler
+
+FLIP, NONE = AugmentConfig(preset="flip"), AugmentConfig(preset="none")
 
 
 class Ramp(Dataset):
@@ -39,7 +42,7 @@ def test_ranks_partition_without_overlap():
 
 
 def test_resume_mid_epoch_gives_the_same_samples_and_flips():
-    view = AugmentedView(Ramp(), flip=True)
+    view = AugmentedView(Ramp(), FLIP)
     sampler = ResumableSampler(37, seed=1)
     sampler.set_epoch(2)
     loader = DataLoader(view, batch_size=4, sampler=sampler, num_workers=0)
@@ -54,7 +57,7 @@ def test_resume_mid_epoch_gives_the_same_samples_and_flips():
 
 
 def test_no_flip_when_disabled():
-    view = AugmentedView(Ramp(), flip=False)
+    view = AugmentedView(Ramp(), NONE)
     for key in ResumableSampler(37, seed=0):
         x, _ = view[key]
         assert x[0, 0, 0] < x[0, 0, -1]
@@ -96,7 +99,7 @@ def flips_by_index(seed: int, epochs: int, count: int = 400) -> list[dict[int, b
     sample by sample from the images, not from the order they came in."""
     from recognition.data.sampler import EpochBatches
 
-    view = AugmentedView(Ramps(count), flip=True)
+    view = AugmentedView(Ramps(count), FLIP)
     batches = EpochBatches(ResumableSampler(count, seed=seed), batch_size=8, batches_per_epoch=50)
     flips: list[dict[int, bool]] = [{} for _ in range(epochs)]
     for step, batch in enumerate(itertools.islice(iter(batches), 50 * epochs)):

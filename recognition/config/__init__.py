@@ -2,7 +2,8 @@
 
 A config file is a YAML mapping whose sections mirror the dataclasses of this package, one
 module per section (`data`, `model`, `head`, `optim`, `train` with `precision`, `eval`;
-`synthetic` holds `data.synthetic` and the generator's `SyntheticSpec`), gathered in
+`synthetic` holds `data.synthetic` and the generator's `SyntheticSpec`, `augment`
+`data.augment` and its presets), gathered in
 `experiment.ExperimentConfig` with the checks that span sections. A file may name a `base:`
 file (relative to itself) that it overrides key by key, so each experiment is a short file
 over one base. Command-line overrides use dotted names (`head.margin=cosface optim.lr=0.05`);
@@ -14,6 +15,7 @@ Derived quantities (total steps, warmup steps) are computed where they are used 
 written back here, so the saved `config.yaml` is exactly what the user asked for.
 """
 
+from recognition.config.augment import PRESET_NAMES, PRESETS, AugmentConfig, blur_kernel_size
 from recognition.config.data import DataConfig
 from recognition.config.eval import EVAL_METRICS, EvalConfig, EvalTarget, parse_metric
 from recognition.config.experiment import ExperimentConfig, check_fused_update, check_pipeline
@@ -42,6 +44,9 @@ from recognition.config.values import (
 
 __all__ = [
     "CONFIG_DIR",
+    "PRESETS",
+    "PRESET_NAMES",
+    "AugmentConfig",
     "EVAL_METRICS",
     "FOLLOWERS",
     "GENERATOR_VERSION",
@@ -59,6 +64,7 @@ __all__ = [
     "SyntheticConfig",
     "SyntheticSpec",
     "TrainConfig",
+    "blur_kernel_size",
     "check_counts",
     "check_fused_update",
     "check_image_size",

@@ -56,9 +56,10 @@ def convert_value(value: Any, tp: Any, key: str) -> Any:
             if type(None) in args:
                 return None
             raise ConfigError(f"{key}: must not be null")
-        for arg in args:
-            if arg is type(None):
-                continue
+        others = [arg for arg in args if arg is not type(None)]
+        if len(others) == 1 and get_origin(others[0]) is Literal:  # the choices, or null
+            return convert_value(value, others[0], key)
+        for arg in others:
             try:
                 return convert_value(value, arg, key)
             except ConfigError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from recognition.config.augment import AugmentConfig, blur_kernel_size
 from recognition.config.synthetic import SyntheticConfig
 from recognition.config.values import ConfigError, check_image_size, image_size_pair
 
@@ -16,16 +17,19 @@ class DataConfig:
 
     root: str = "data/synthetic/train"
     """An image folder (one sub-folder per identity), a folder holding an insightface
-    RecordIO pack (`train.rec` + `train.idx`) or a Market-1501 folder
-    (`bounding_box_train/`); see `format`."""
-    format: Literal["auto", "folder", "recordio", "market1501"] = "auto"
+    RecordIO pack (`train.rec` + `train.idx`), or a person re-id data set's release: a
+    Market-1501 / DukeMTMC-reID folder (`bounding_box_train/`), MSMT17 (its list files) or
+    CUHK03 (the new protocol's split files); see `format`."""
+    format: Literal["auto", "folder", "recordio", "market1501", "msmt17", "cuhk03"] = "auto"
     """auto: recordio when root holds train.rec and train.idx, market1501 when it holds
-    bounding_box_train/, else folder."""
+    bounding_box_train/, msmt17 when list_train.txt (and train/ or mask_train_v2/), cuhk03
+    when cuhk03_new_protocol_config_*.mat, else folder."""
+    cuhk03_boxes: Literal["labeled", "detected"] = "labeled"
+    """CUHK03: train on the hand-labeled boxes (cuhk03_new_protocol_config_labeled.mat over
+    images_labeled/) or the detected ones."""
     image_size: int | list[int] = 112
     """Input size in pixels: one side (a square, 112 for aligned faces) or [H, W] (e.g.
     [256, 128] for person crops); images of any size are resized to it."""
-    flip: bool = True
-    """Random horizontal flip during training."""
     num_workers: int = 2
     """DataLoader worker processes that read and decode images; 0: in the training process."""
     cache_dir: str | None = None
@@ -56,6 +60,7 @@ class DataConfig:
     the encoded bytes only and each batch is decoded on the training GPU (nvJPEG through
     torchvision.io.decode_jpeg) and augmented there; non-JPEG files are decoded by the
     workers. auto: gpu when training on a CUDA device and the data holds JPEGs, else cpu."""
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     @property
@@ -69,6 +74,13 @@ class DataConfig:
             raise ConfigError("data.num_workers: must be 0 or more")
         if self.pk_instances < 1:
             raise ConfigError("data.pk_instances: must be at least 1")
+        kernel = blur_kernel_size(self.augment.blur_sigma[1])
+        if self.augment.blur > 0 and kernel > min(self.image_hw):
+            raise ConfigError(
+                f"data.augment.blur_sigma: a sigma of {self.augment.blur_sigma[1]:g} needs a "
+                f"{kernel}-pixel kernel, larger than the {min(self.image_hw)}-pixel side of "
+                "data.image_size"
+            )
         if self.prefetch_factor is not None:
             if self.prefetch_factor < 1:
                 raise ConfigError("data.prefetch_factor: must be at least 1 (or null)")

@@ -46,6 +46,11 @@ class ExperimentConfig:
                 f"optim.milestones: epoch {late[0]:g} is not before train.epochs="
                 f"{self.train.epochs}, so it would never apply"
             )
+        if self.head.triplet_weight > 0 and self.data.sampler != "pk":
+            raise ConfigError(
+                "head.triplet_weight: batch-hard mining needs positives in every batch; set "
+                "data.sampler=pk (P identities x data.pk_instances images)"
+            )
         if self.data.decode == "gpu" and self.train.device == "cpu":
             raise ConfigError(
                 "data.decode: gpu decodes on a CUDA device, but train.device=cpu trains on the "
@@ -196,6 +201,11 @@ def check_pipeline(cfg: ExperimentConfig) -> None:
     if cfg.head.fused_update:
         conflicts.append(
             "head.fused_update=true (every micro-batch's backward would step the head)"
+        )
+    if cfg.head.triplet_weight > 0 or cfg.head.id_weight != 1.0:
+        conflicts.append(
+            "head.triplet_weight / head.id_weight (the last stage's loss is the margin "
+            "softmax's alone)"
         )
     if conflicts:
         raise ConfigError(

@@ -1,5 +1,6 @@
-"""The `head` section: the margin and its parameters, Partial FC sampling, logit chunks and
-the kernel of the head's local statistics."""
+"""The `head` section: the margin and its parameters, label smoothing, the triplet loss beside
+the margin softmax, Partial FC sampling, logit chunks and the kernel of the head's local
+statistics."""
 
 from __future__ import annotations
 
@@ -55,6 +56,24 @@ class HeadConfig:
     tuning_cache: str | None = None
     """Folder of the head's measured choices (auto's kernel, the Triton tiles), a JSON file
     each; null: $XDG_CACHE_HOME/recognition (~/.cache/recognition)."""
+    label_smoothing: float = 0.0
+    """Label smoothing eps of the margin softmax's cross-entropy, in [0, 1): the target class
+    gets 1 - eps + eps/C and every class eps/C, over the margin-modified logits (as
+    F.cross_entropy's label_smoothing; 0.1 in the strong re-id baseline). Not with
+    head.sample_rate < 1 (partial FC) nor head.fused_update."""
+    id_weight: float = 1.0
+    """Weight of the margin softmax's loss (the ID loss) in the training loss; 0 trains the
+    metric loss alone (the head still runs, for its accuracy)."""
+    triplet_weight: float = 0.0
+    """Weight of a batch-hard triplet loss added to the ID loss (0: none). Each sample of
+    the global batch (every rank's, gathered) is an anchor: its farthest positive against
+    its nearest negative, by the Euclidean distance between the backbone's features before
+    its BN neck (resnet50_reid: the pooled 2048 features; IResNet: the fc's output; a
+    backbone without a neck: its embeddings), while the margin head and evaluation see the
+    neck's output. Needs data.sampler=pk."""
+    triplet_margin: float | None = 0.3
+    """The triplet loss's margin: max(0, d(a, p) - d(a, n) + margin); null: the soft margin
+    log(1 + exp(d(a, p) - d(a, n)))."""
     fused_update: bool = False
     """Apply the head's SGD step inside the Triton backward (no weight-sized gradient).
     Needs head.kernel=triton, optim.name=sgd, optim.grad_clip=null, train.accumulate_steps=1
@@ -82,6 +101,35 @@ class HeadConfig:
             raise ConfigError(f"head.sample_rate: {self.sample_rate} is outside (0, 1]")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ConfigError("head.chunk_size: must be at least 1 (or null)")
+        self._check_losses()
+
+    def _check_losses(self) -> None:
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"head.label_smoothing: {self.label_smoothing} is outside [0, 1)")
+        if self.label_smoothing > 0 and self.sample_rate < 1.0:
+            raise ConfigError(
+                "head.label_smoothing: not with partial FC (head.sample_rate="
+                f"{self.sample_rate}), whose softmax runs over classes sampled anew at every "
+                "step; set head.sample_rate=1 or head.label_smoothing=0"
+            )
+        if self.label_smoothing > 0 and self.fused_update:
+            raise ConfigError(
+                "head.label_smoothing: not with head.fused_update (the smoothing term's "
+                "gradient reaches the class rows after the Triton backward has stepped them)"
+            )
+        for name in ("id_weight", "triplet_weight"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"head.{name}: must be a finite number >= 0, got {value}")
+        if self.id_weight == 0 and self.triplet_weight == 0:
+            raise ConfigError("head.id_weight and head.triplet_weight are both 0: no loss left")
+        if self.triplet_margin is not None and not (
+            math.isfinite(self.triplet_margin) and self.triplet_margin >= 0
+        ):
+            raise ConfigError(
+                f"head.triplet_margin: must be >= 0 (or null: the soft margin), got "
+                f"{self.triplet_margin}"
+            )
 
     def _check_adaface(self) -> None:
         if self.m is not None and not 0.0 <= self.m < math.pi / 2:

@@ -74,8 +74,53 @@ def _followers_follow(raw: dict[str, Any], overrides: list[str]) -> None:
 
 
 def config_from_dict(raw: dict[str, Any]) -> ExperimentConfig:
-    """Build and validate an ExperimentConfig from a plain mapping."""
+    """Build and validate an ExperimentConfig from a plain mapping (not changed)."""
+    raw = copy.deepcopy(raw)
+    _expand_shorthands(raw)
+    _read_old_flip(raw)
     return build_dataclass(ExperimentConfig, raw, prefix="")
+
+
+# (section, key, field): a plain value of `section.key` stands for its `field`, e.g.
+# `data.augment=face` for data.augment.preset=face.
+SHORTHANDS = (("data", "augment", "preset"),)
+
+
+def _expand_shorthands(raw: dict[str, Any]) -> None:
+    """Replace each shorthand value (`SHORTHANDS`) of `raw` by the mapping it stands for."""
+    for section_name, key, field in SHORTHANDS:
+        section = raw.get(section_name)
+        if isinstance(section, dict) and isinstance(section.get(key), str):
+            section[key] = {field: section[key]}
+
+
+def _read_old_flip(raw: dict[str, Any]) -> None:
+    """`data.flip` (a bool, before data.augment) as what it meant: data.augment.flip 0.5 or 0.
+
+    Config files and the config.yaml of runs made before data.augment keep loading; the
+    config they resolve to names data.augment.flip only.
+    """
+    data = raw.get("data")
+    if not isinstance(data, dict) or "flip" not in data:
+        return
+    flip = data.pop("flip")
+    if not isinstance(flip, bool):
+        raise ConfigError(
+            f"data.flip: expected true or false, got {flip!r} (data.flip is the old name of "
+            "data.augment.flip, a probability)"
+        )
+    augment = data.get("augment")
+    if augment is None:
+        augment = data["augment"] = {}
+    if not isinstance(augment, dict):
+        return  # build_dataclass names data.augment
+    value = 0.5 if flip else 0.0
+    if augment.get("flip") is not None and augment["flip"] != value:
+        raise ConfigError(
+            f"data.flip: {str(flip).lower()} (data.augment.flip={value:g}) conflicts with "
+            f"data.augment.flip={augment['flip']}; set data.augment.flip alone"
+        )
+    augment["flip"] = value
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
@@ -116,6 +161,7 @@ def _read_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     if path in seen:
         raise ConfigError(f"{path}: `base:` chain loops back to itself")
     data = _read_yaml(path)
+    _expand_shorthands(data)  # before merging: `augment: face` over a base's mapping
     base = data.pop("base", None)
     if base is None:
         return data
@@ -151,6 +197,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"{key}: cannot parse value {text!r}: {exc}") from exc
+    _expand_shorthands(raw)  # `data.augment=face data.augment.crop=0` sets both
     node = raw
     for depth, part in enumerate(parts[:-1]):
         child = node.get(part)

@@ -12,8 +12,9 @@ from recognition.config.values import ConfigError
 class OptimConfig:
     """The `optim` section: the optimizer and the learning-rate schedule."""
 
-    name: Literal["sgd", "adamw"] = "sgd"
-    """sgd (with momentum) or adamw."""
+    name: Literal["sgd", "adamw", "adam"] = "sgd"
+    """sgd (with momentum), adamw (decoupled weight decay) or adam (weight decay as an L2
+    term added to the gradient, as the strong re-id baseline trains)."""
     lr: float = 0.1
     """Peak learning rate, reached at the end of warmup."""
     momentum: float = 0.9
@@ -21,7 +22,7 @@ class OptimConfig:
     weight_decay: float = 5e-4
     """Not applied to BatchNorm / PReLU weights and biases (parameters with ndim <= 1)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW's [beta1, beta2]."""
+    """Adam's and AdamW's [beta1, beta2]."""
     warmup_epochs: float = 0.0
     """Epochs (may be fractional) of linear warmup from 0 to `lr`."""
     schedule: Literal["poly", "cosine", "constant", "step"] = "poly"

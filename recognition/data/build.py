@@ -4,6 +4,8 @@
 
     recordio     root/train.rec + root/train.idx      insightface packs (MS1MV3, Glint360K, ...)
     market1501   root/bounding_box_train/             Market-1501 / DukeMTMC-reID crops
+    msmt17       root/list_train.txt, train/ ...       MSMT17 (V1 or V2)
+    cuhk03       root/cuhk03_new_protocol_config_*.mat CUHK03, the new protocol's split
     folder       root/<identity>/<image>              anything else; cached compact index
 
 `data.decode` picks where images are decoded (`resolve_decode`): in the DataLoader workers
@@ -32,8 +34,9 @@ from recognition.data.gpu_decode import (
 )
 from recognition.data.image_folder import ImageFolderDataset
 from recognition.data.index import open_index
-from recognition.data.market_train import Market1501TrainDataset
+from recognition.data.market_train import Market1501TrainDataset, PersonCropsDataset
 from recognition.data.recordio import RecordIODataset
+from recognition.data.reid_sets import reid_train_set
 from recognition.data.sampler import AugmentedView, IdentityBalancedSampler, ResumableSampler
 from recognition.data.source import TrainSource
 from recognition.data.workers import exit_with_parent
@@ -52,8 +55,8 @@ def build_train_dataset(
 
     Collective through `barrier` for image folders: the main rank builds or checks the
     cached index while the others wait, then all map it. `class_names` fixes the label
-    order of an image folder (others ignore it). Samples come unflipped (`train=False`): the
-    training loop flips through `AugmentedView`, seeded per sample.
+    order of an image folder (others ignore it). Samples come unaugmented (`train=False`): the
+    training loop augments through `AugmentedView`, seeded per sample (`data.augment`).
     """
     kind = resolve_format(data_cfg)
     size = data_cfg.image_hw
@@ -62,6 +65,9 @@ def build_train_dataset(
         return RecordIODataset(data_cfg.root, size, on_bad_image=policy)
     if kind == "market1501":
         return Market1501TrainDataset(data_cfg.root, size, on_bad_image=policy)
+    if kind in ("msmt17", "cuhk03"):
+        images = reid_train_set(data_cfg.root, kind, cuhk03_boxes=data_cfg.cuhk03_boxes)
+        return PersonCropsDataset(data_cfg.root, size, images, on_bad_image=policy)
     index = open_index(
         data_cfg.root,
         cache_dir=data_cfg.cache_dir,
@@ -185,13 +191,13 @@ def build_loader(
     options = loader_options(data_cfg, device)
     if decode == "cpu":
         return DataLoader(
-            AugmentedView(source, flip=data_cfg.flip),
+            AugmentedView(source, data_cfg.augment),
             batch_sampler=batch_sampler,
             generator=generator,
             **options,
         )
     loader = DataLoader(
-        EncodedView(source, flip=data_cfg.flip),
+        EncodedView(source, data_cfg.augment),
         batch_sampler=batch_sampler,
         collate_fn=collate_encoded,
         generator=generator,

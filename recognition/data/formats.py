@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from recognition.config import DataConfig
+from recognition.data.cuhk03 import image_folder, is_cuhk03, split_file
+from recognition.data.msmt17 import is_msmt17, release_folders
 
 TRAIN_FOLDER = "bounding_box_train"
 """The training crops' folder of a Market-1501 layout."""
@@ -20,8 +22,10 @@ def resolve_format(data_cfg: DataConfig) -> str:
     if not root.is_dir():
         raise NotADirectoryError(
             f"data.root: {root} is a file; expected a folder (one sub-folder per identity, "
-            "train.rec with train.idx, or a Market-1501 folder)"
+            "train.rec with train.idx, or a re-id data set's folder)"
         )
+    if data_cfg.format in ("msmt17", "cuhk03"):
+        check_reid_release(root, data_cfg.format, data_cfg.cuhk03_boxes)
     if data_cfg.format != "auto":
         return data_cfg.format
     if (root / "train.rec").is_file():
@@ -33,4 +37,30 @@ def resolve_format(data_cfg: DataConfig) -> str:
         return "recordio"
     if (root / TRAIN_FOLDER).is_dir():
         return "market1501"
+    if is_msmt17(root):
+        check_reid_release(root, "msmt17", data_cfg.cuhk03_boxes)
+        return "msmt17"
+    if is_cuhk03(root):
+        check_reid_release(root, "cuhk03", data_cfg.cuhk03_boxes)
+        return "cuhk03"
     return "folder"
+
+
+def check_reid_release(root: Path, kind: str, cuhk03_boxes: str) -> None:
+    """Raise FileNotFoundError in one line when `root` is not a release of `kind` (msmt17,
+    cuhk03), by its files alone (its lists and split files are read when it is loaded)."""
+    if kind == "msmt17":
+        try:
+            release_folders(root)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"data.root: {exc}") from None
+        return
+    if (
+        not split_file(root, cuhk03_boxes).is_file()
+        or not image_folder(root, cuhk03_boxes).is_dir()
+    ):
+        raise FileNotFoundError(
+            f"data.root: {root} is not a CUHK03 new-protocol tree for data.cuhk03_boxes="
+            f"{cuhk03_boxes}: it needs {split_file(root, cuhk03_boxes).name} and "
+            f"{image_folder(root, cuhk03_boxes).name}/"
+        )

@@ -1,26 +1,29 @@
 """JPEG batches decoded on the GPU (`data.decode=gpu`): the loader's workers only read bytes.
 
 With `data.decode=cpu` every DataLoader worker decodes, resizes and normalises its samples
-(`TrainSource.__getitem__`, flipped by `AugmentedView`). With `gpu` the work is split:
+(`TrainSource.__getitem__`, augmented by `AugmentedView`). With `gpu` the work is split:
 
-    worker   EncodedView[(index, sample_seed)] -> (payload, label, flip, index)
+    worker   EncodedView[(index, sample_seed)] -> (payload, label, augment, index)
                payload: the file's or record's bytes (1-D uint8) when nvJPEG can decode
                them (`gpu_decodable`); otherwise the image decoded by the CPU path's own
                decoder (PIL), (3, h, w) uint8: PNG and other formats, CMYK, 12-bit and
                arithmetic-coded JPEGs, and truncated files (which PIL then names as bad)
+               augment: the sample's `SampleAugment`, drawn from its seed (`draw_augment`)
              collate_encoded -> EncodedBatch: the batch's bytes in one tensor, its labels,
-               flips and indices
+               flips, indices and (when any sample has more than a flip) augmentations
     main     decode_batch(batch, source, device=...) -> ((B, 3, H, W) float32 in [-1, 1],
                (B,) labels) on `device`: torchvision.io.decode_jpeg of the list of byte
                tensors (on a CUDA device one batched nvJPEG call), then the CPU path's steps
-               on the whole batch: resize where the size differs, flip, normalise, memory
-               format
+               on the whole batch: resize where the size differs, augment (the flip alone,
+               or `augment_batch`), normalise, memory format
 
 `DeviceBatches` wraps the DataLoader so that iterating it gives those device tensors: the
 training loop's `.to(device, memory_format=...)` then has nothing left to do.
 
-The flip is drawn from the sample's seed by `draw_flip`, as `AugmentedView` draws it, so a
-sample is flipped the same way with either decoder, and a resumed run sees the same data.
+The augmentation is drawn from the sample's seed by `draw_augment` in the worker, as
+`AugmentedView` draws it, and applied to the batch on the device by `augment_batch`, the
+batched form of the CPU path's `apply_augment`: a sample is augmented the same way with
+either decoder (to float rounding), and a resumed run sees the same data.
 On the CPU, torchvision's decode_jpeg and PIL are the same libjpeg-turbo and give the same
 pixels; nvJPEG differs from it by a few levels (docs/data.md).
 
@@ -42,7 +45,9 @@ import torchvision.io
 from torch.utils.data import Dataset
 from torchvision.transforms.v2 import functional as TF
 
-from recognition.data.sampler import draw_flip
+from recognition.config import AugmentConfig
+from recognition.data.augment import SampleAugment, draw_augment
+from recognition.data.augment_batch import augment_batch
 from recognition.data.source import TrainSource
 from recognition.data.transforms import decode_rgb, normalise, resize
 
@@ -102,24 +107,25 @@ def gpu_decodable(data: bytes) -> bool:
 class EncodedView(Dataset):
     """`source` as the GPU path's workers read it, indexed like `AugmentedView`.
 
-    `view[(index, sample_seed)]` is `(payload, label, flip, index)`: payload the sample's
+    `view[(index, sample_seed)]` is `(payload, label, augment, index)`: payload the sample's
     encoded bytes as a 1-D uint8 tensor when `gpu_decodable`, else the image decoded here by
-    the CPU path's decoder as (3, h, w) uint8; flip whether to mirror it (`draw_flip`, or
-    False without `flip`). Unreadable images follow the source's `on_bad_image`.
+    the CPU path's decoder as (3, h, w) uint8; augment its `SampleAugment` under `augment`
+    (`draw_augment` of its seed, at the source's input size). Unreadable images follow the
+    source's `on_bad_image`.
     """
 
-    def __init__(self, source: TrainSource, *, flip: bool) -> None:
+    def __init__(self, source: TrainSource, augment: AugmentConfig) -> None:
         self.source = source
-        self.flip = flip
+        self.augment = augment
 
     def __len__(self) -> int:
         return len(self.source)
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int, bool, int]:
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int, SampleAugment, int]:
         index, seed = int(key[0]), key[1]
         payload = self.source.load_with_policy(index, self._payload)
-        flip = self.flip and draw_flip(seed)
-        return payload, int(self.source.labels[index]), flip, index
+        augment = draw_augment(self.augment, seed, self.source.image_size)
+        return payload, int(self.source.labels[index]), augment, index
 
     def _payload(self, index: int) -> torch.Tensor:
         data = self.source.encoded(index)
@@ -144,6 +150,9 @@ class EncodedBatch:
     """(B,) bool: mirror the sample left-right."""
     indices: torch.Tensor
     """(B,) int64: the samples' indices in the source (for messages and substitutes)."""
+    augments: list[SampleAugment] | None = None
+    """Each sample's augmentation when any does more than flip (`augment_batch`); None: the
+    flips are all there is."""
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -159,21 +168,23 @@ class EncodedBatch:
         )
 
 
-def collate_encoded(samples: list[tuple[torch.Tensor, int, bool, int]]) -> EncodedBatch:
+def collate_encoded(samples: list[tuple[torch.Tensor, int, SampleAugment, int]]) -> EncodedBatch:
     """The DataLoader's `collate_fn` for `EncodedView` samples.
 
     The bytes travel as one tensor, not one per sample: every tensor a worker sends costs
     a shared-memory segment and a file descriptor.
     """
     payloads = [sample[0] for sample in samples]
+    augments = [sample[2] for sample in samples]
     encoded = [payload for payload in payloads if payload.dim() == 1]
     return EncodedBatch(
         data=torch.cat(encoded) if encoded else torch.empty(0, dtype=torch.uint8),
         lengths=torch.tensor([p.numel() if p.dim() == 1 else 0 for p in payloads]),
         decoded=[payload for payload in payloads if payload.dim() != 1],
         labels=torch.tensor([sample[1] for sample in samples], dtype=torch.int64),
-        flips=torch.tensor([sample[2] for sample in samples], dtype=torch.bool),
+        flips=torch.tensor([sample[2].flip for sample in samples], dtype=torch.bool),
         indices=torch.tensor([sample[3] for sample in samples], dtype=torch.int64),
+        augments=augments if any(a.beyond_flip for a in augments) else None,
     )
 
 
@@ -207,7 +218,8 @@ def decode_batch(
     PIL, with `image_size` = (H, W). `source` is the one the workers read: it names a file
     the device decoder refuses, and gives its substitute.
 
-    Nothing here waits for the device: the flips select with `torch.where`, and the host
+    Nothing here waits for the device: the flips select with `torch.where`, the other
+    augmentations take their parameters from the host (`augment_batch`), and the host
     tensors go over with non-blocking copies.
     """
     lengths = batch.lengths.tolist()
@@ -224,10 +236,15 @@ def decode_batch(
         if length == 0:
             images[i] = next(decoded).to(device, non_blocking=True)
     pixels = _resize_and_stack(images, image_size)  # type: ignore[arg-type]  # (B, 3, H, W) uint8
-    flips = batch.flips.to(device, non_blocking=True).view(-1, 1, 1, 1)
-    pixels = torch.where(flips, pixels.flip(-1), pixels)
-    # Flipping before the normalisation (CPU path: after) changes nothing: it only moves values.
-    inputs = normalise(pixels).contiguous(memory_format=memory_format)
+    if batch.augments is None:
+        flips = batch.flips.to(device, non_blocking=True).view(-1, 1, 1, 1)
+        pixels = torch.where(flips, pixels.flip(-1), pixels)
+        # Flipping before the normalisation (CPU path: after) changes nothing: it moves values.
+        inputs = normalise(pixels)
+    else:
+        scaled = augment_batch(TF.to_dtype(pixels, torch.float32, scale=True), batch.augments)
+        inputs = (scaled - 0.5) / 0.5  # as `normalise`, from [0, 1] (not in place: grey's view)
+    inputs = inputs.contiguous(memory_format=memory_format)
     return inputs, batch.labels.to(device, non_blocking=True)
 
 

@@ -4,9 +4,10 @@
 seeded by seed + epoch, this rank's slice, drop_last) as `(index, sample_seed)` pairs and
 can start at any position of the epoch; `IdentityBalancedSampler` does the same for P x K
 batches (P identities x K images each, as re-id training uses). `AugmentedView` draws a
-sample's random augmentation from its `sample_seed`, not from the DataLoader worker's RNG,
-so an image is flipped the same way whichever worker loads it and whether or not the run
-was resumed: N steps + resume + N steps sees exactly the data of 2N steps straight.
+sample's random augmentation (`recognition.data.augment`) from its `sample_seed`, not from
+the DataLoader worker's RNG, so an image is augmented the same way whichever worker loads
+it and whether or not the run was resumed: N steps + resume + N steps sees exactly the
+data of 2N steps straight.
 """
 
 from __future__ import annotations
@@ -17,6 +18,18 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler, Sampler
+
+from recognition.config import AugmentConfig
+from recognition.data.augment import apply_augment, draw_augment, draw_flip
+
+__all__ = [
+    "AugmentedView",
+    "EpochBatches",
+    "IdentityBalancedSampler",
+    "ResumableSampler",
+    "draw_flip",
+    "sample_seed",
+]
 
 
 class ResumableSampler(Sampler[tuple[int, int]]):
@@ -59,20 +72,17 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return random.Random(f"{seed}/{epoch}/{index}").getrandbits(63)
 
 
-def draw_flip(sample_seed: int) -> bool:
-    """Whether the sample of `sample_seed` is flipped left-right (probability 0.5)."""
-    return random.Random(sample_seed).random() < 0.5
-
-
 class AugmentedView(Dataset):
-    """Wraps a dataset of (CHW image, label) and applies seeded random augmentation.
+    """Wraps a dataset of (CHW image in [-1, 1], label) and applies the random augmentation
+    of `augment` (`recognition.data.augment`), drawn from each sample's seed.
 
-    Indexed with the `(index, sample_seed)` pairs of `ResumableSampler`.
+    Indexed with the `(index, sample_seed)` pairs of `ResumableSampler`. With nothing but
+    the flip on (the default) the image is only mirrored, as it always was: no conversion.
     """
 
-    def __init__(self, base: Dataset, *, flip: bool):
+    def __init__(self, base: Dataset, augment: AugmentConfig):
         self.base = base
-        self.flip = flip
+        self.augment = augment
 
     def __len__(self) -> int:
         return len(self.base)  # type: ignore[arg-type]
@@ -80,7 +90,16 @@ class AugmentedView(Dataset):
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
         index, seed = key
         image, label = self.base[index]
-        if self.flip and draw_flip(seed):
+        if self.augment.only_flips:
+            if self.augment.flip > 0 and draw_flip(seed, self.augment.flip):
+                image = image.flip(-1)
+            return image, label
+        params = draw_augment(self.augment, seed, tuple(image.shape[-2:]))
+        if params.beyond_flip:
+            pixels = apply_augment(image.mul(0.5).add_(0.5), params)  # [-1, 1] -> [0, 1]
+            # Not in place: grey-scale may leave a view whose three channels share memory.
+            image = (pixels - 0.5) / 0.5
+        elif params.flip:
             image = image.flip(-1)
         return image, label
 

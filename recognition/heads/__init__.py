@@ -42,6 +42,7 @@ def build_head(
         device=device,
         kernel=cfg.kernel,
         tuning_cache=cfg.tuning_cache,
+        label_smoothing=cfg.label_smoothing,
     )
 
 

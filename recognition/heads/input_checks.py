@@ -29,8 +29,16 @@ def check_arguments(
     chunk_size: int | None,
     num_ranks: int,
     max_classes: int,
+    label_smoothing: float = 0.0,
 ) -> None:
     """Raise ValueError naming the config key when the head cannot be made so."""
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"head.label_smoothing: {label_smoothing} is outside [0, 1)")
+    if label_smoothing > 0 and sample_rate < 1.0:
+        raise ValueError(
+            "head.label_smoothing: not with partial FC (head.sample_rate < 1), whose softmax "
+            "runs over classes sampled anew at every step"
+        )
     if num_classes < 1:
         raise ValueError(f"num_classes: must be >= 1, got {num_classes}")
     if num_classes > max_classes:

@@ -74,6 +74,7 @@ from recognition.heads.local_stats import l2_normalize
 from recognition.heads.margins import Margin
 from recognition.heads.optimizer_handover import OptimizerHandOver
 from recognition.heads.partial_fc import MAX_CLASSES, RowSampler
+from recognition.heads.smoothing import smoothed_loss, smoothing_terms
 from recognition.heads.triton_stats import FusedSGD
 from recognition.sharded import mark_like, set_row_placement
 
@@ -177,21 +178,38 @@ def fold_target(
 
 
 def global_loss(
-    local_max: Tensor, local_sumexp: Tensor, target_logit: Tensor, group: ProcessGroup | None
+    local_max: Tensor,
+    local_sumexp: Tensor,
+    target_logit: Tensor,
+    group: ProcessGroup | None,
+    smoothing: tuple[Tensor, float, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Each row's loss (N,) and whether its target logit is the row's largest, from the
     ranks' statistics: all-reduce MAX of the max, then SUM of the sum-exp rescaled to the
-    global max and of the target logit (zero on ranks that do not own the label)."""
+    global max and of the target logit (zero on ranks that do not own the label).
+
+    `smoothing`: label smoothing's (local sum of logits (N,), eps, number of classes); the
+    sums are all-reduced with the others and the loss is smoothing.py's."""
     if distributed.world_size(group) > 1:
         global_max = local_max.detach().clone()
         dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
         rescaled_sumexp = local_sumexp * torch.exp(local_max - global_max)
-        summed = _SumOverRanks.apply(torch.stack([rescaled_sumexp, target_logit]), group)
-        global_sumexp, global_target = summed.unbind(0)
+        addends = [rescaled_sumexp, target_logit]
+        if smoothing is not None:
+            addends.append(smoothing[0])
+        summed = _SumOverRanks.apply(torch.stack(addends), group).unbind(0)
+        global_sumexp, global_target = summed[:2]
+        global_logit_sum = summed[2] if smoothing is not None else None
     else:
         global_max, global_sumexp, global_target = local_max, local_sumexp, target_logit
+        global_logit_sum = smoothing[0] if smoothing is not None else None
+    correct = global_target >= global_max
+    if smoothing is not None:
+        _, eps, num_classes = smoothing
+        log_sumexp = torch.log(global_sumexp) + global_max
+        return smoothed_loss(log_sumexp, global_target, global_logit_sum, eps, num_classes), correct
     # log softmax of the target: -(target - log sum exp(logits)).
-    return torch.log(global_sumexp) + global_max - global_target, global_target >= global_max
+    return torch.log(global_sumexp) + global_max - global_target, correct
 
 
 class ShardedMarginSoftmax(OptimizerHandOver, nn.Module):
@@ -209,7 +227,8 @@ class ShardedMarginSoftmax(OptimizerHandOver, nn.Module):
     time, recomputed in backward (memory O(global batch x chunk_size)); None, the whole
     shard. `sample_rate` < 1: partial FC, sampled by `seed` (partial_fc.py). `kernel`:
     "torch", "triton" or "auto" (kernel_choice.py), `tuning_cache` the folder of measured
-    choices (None: `$XDG_CACHE_HOME/recognition`).
+    choices (None: `$XDG_CACHE_HOME/recognition`). `label_smoothing`: F.cross_entropy's eps
+    over the margin-modified logits of all classes (smoothing.py; not with partial FC).
 
     Every rank must call forward with the same local batch size; the loss is the mean over
     the global batch, identical on every rank (the gradient convention under DDP is in the
@@ -232,6 +251,7 @@ class ShardedMarginSoftmax(OptimizerHandOver, nn.Module):
         device: torch.device | str | None = None,
         kernel: str = "auto",
         tuning_cache: str | Path | None = None,
+        label_smoothing: float = 0.0,
     ) -> None:
         super().__init__()
         # head.kernel: which path computes the local statistics (measured for "auto"), and
@@ -239,9 +259,9 @@ class ShardedMarginSoftmax(OptimizerHandOver, nn.Module):
         self.tuning_cache = tuning.TuningCache(tuning_cache)
         self._kernels = KernelSelector(kernel, self.tuning_cache, logger)
         num_ranks = distributed.world_size(group)
-        check_arguments(
-            num_classes, embedding_size, sample_rate, chunk_size, num_ranks, MAX_CLASSES
-        )
+        shape = (num_classes, embedding_size, sample_rate, chunk_size, num_ranks, MAX_CLASSES)
+        check_arguments(*shape, label_smoothing)
+        self.label_smoothing = float(label_smoothing)
         self.num_classes = num_classes
         self.embedding_size = embedding_size
         # A margin with state (AdaFace's running statistics) keeps it beside the weight.
@@ -299,7 +319,8 @@ class ShardedMarginSoftmax(OptimizerHandOver, nn.Module):
             f"num_classes={self.num_classes}, embedding_size={self.embedding_size}, "
             f"class_start={self.class_start}, num_local={self.num_local}, "
             f"world_size={self.world_size}, chunk_size={self.chunk_size}, "
-            f"sample_rate={self.sample_rate}, kernel={self.kernel}"
+            f"sample_rate={self.sample_rate}, kernel={self.kernel}, "
+            f"label_smoothing={self.label_smoothing}"
         )
 
     def _shard(self) -> ShardShape:
@@ -365,9 +386,12 @@ class ShardedMarginSoftmax(OptimizerHandOver, nn.Module):
             margin_logit = self.margin(target_cos)
         target_logit = torch.where(owned, scale * margin_logit, 0.0)
         local_max, local_sumexp = fold_target(nontarget_max, nontarget_sumexp, target_logit, owned)
+        smoothing = smoothing_terms(  # label smoothing's sum of every logit; None without
+            self.label_smoothing, self.num_classes, norm_embeddings, self.weight, target_cos,
+            target_logit, owned, scale)  # fmt: skip
 
         # ---- global statistics over every rank's classes: the loss, the same on every rank.
-        loss, correct = global_loss(local_max, local_sumexp, target_logit, self.group)
+        loss, correct = global_loss(local_max, local_sumexp, target_logit, self.group, smoothing)
         self.last_accuracy = correct.to(compute_dtype).mean().detach()
         return loss.mean()
 

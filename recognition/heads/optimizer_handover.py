@@ -115,4 +115,9 @@ class OptimizerHandOver:
         includes the head, or fp16 loss scaling (the gradient would be scaled): the config
         refuses those combinations. `param` must be the weight itself (no O2 master).
         """
+        if getattr(self, "label_smoothing", 0.0) > 0:
+            raise ValueError(
+                "head.fused_update: not with head.label_smoothing (its gradient reaches the "
+                "rows after the Triton backward has stepped them)"
+            )
         self._fused = fused_sgd(self.kernel, optimizer, self.weight, param)

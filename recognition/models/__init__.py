@@ -42,6 +42,16 @@ def build_backbone(name: str, **kwargs: object) -> nn.Module:
     return BACKBONES[name](**kwargs)
 
 
+def use_neck_features(backbone: nn.Module) -> bool:
+    """Make `backbone` return (features before its BN neck, embeddings) in training mode,
+    for the triplet loss, where it has a BN neck (resnet50_reid's BatchNorm1d after the
+    pooling, IResNet's after the fc); returns whether it has."""
+    if not isinstance(backbone, ReIDResNet50 | IResNet):
+        return False
+    backbone.neck_features = True
+    return True
+
+
 def backbone_from_config(cfg: ModelConfig, image_size: tuple[int, int]) -> nn.Module:
     """The backbone `model.*` describes, for inputs of `image_size` (H, W)."""
     return build_backbone(
@@ -67,4 +77,5 @@ __all__ = [
     "iresnet100",
     "iresnet200",
     "resnet50_reid",
+    "use_neck_features",
 ]

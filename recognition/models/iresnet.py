@@ -11,6 +11,10 @@ with `load_state_dict(strict=True)` at `width=1.0`:
 The spatial map after layer4 is (H / 16, W / 16) of the input (7x7 for 112x112), and it is
 flattened into the fc rather than pooled: the position of a feature on an aligned face
 carries identity information that global pooling would throw away.
+
+`features` is a BN neck in the re-id sense: with `neck_features` set (training does when
+head.triplet_weight > 0) forward returns, in training mode, (the fc's output, embeddings),
+the triplet loss's features and the margin head's.
 """
 
 from __future__ import annotations
@@ -129,6 +133,8 @@ class IResNet(UnitChain):
             )
         self.embedding_size = embedding_size
         self.image_size: tuple[int, int] = (sides[0], sides[1])
+        # Training mode returns (fc output, embeddings) when set (the triplet loss's).
+        self.neck_features = False
 
         stem_channels = scaled_channels(STEM_CHANNELS, width)
         self.conv1 = conv3x3(3, stem_channels)
@@ -192,8 +198,11 @@ class IResNet(UnitChain):
             return ("bn2", "dropout", "fc", "features")
         return (unit,)
 
-    def forward_unit(self, unit: str, x: torch.Tensor) -> torch.Tensor:
-        """One unit: images -> stem map, a block's map -> the next, last map -> embeddings."""
+    def forward_unit(
+        self, unit: str, x: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One unit: images -> stem map, a block's map -> the next, last map -> embeddings
+        (or, training with `neck_features`, (fc output, embeddings))."""
         if unit == "stem":
             if x.shape[-2:] != self.image_size:
                 height, width = self.image_size
@@ -204,7 +213,10 @@ class IResNet(UnitChain):
             return self.prelu(self.bn1(self.conv1(x)))
         if unit == "embedding":
             x = self.dropout(torch.flatten(self.bn2(x), 1))  # (B, C * H/16 * W/16)
-            return self.features(self.fc(x))
+            x = self.fc(x)
+            if self.neck_features and self.training:
+                return x, self.features(x)
+            return self.features(x)
         return self.get_submodule(unit)(x)
 
 

@@ -6,11 +6,14 @@ al. (2019) found to matter:
 - last stride 1: layer4 keeps the resolution of layer3, so a 256x128 crop ends in a 16x8
   map instead of 8x4 — more spatial detail for almost no extra parameters;
 - global average pooling to a 2048-d vector;
-- a BN neck: BatchNorm1d on the pooled vector, whose shift (bias) is frozen at zero. The
-  metric losses see the features before the BN, the classifier the ones after it; here the
-  margin head is the only loss and it normalises its input, so we return the BN output.
+- a BN neck (BNNeck): BatchNorm1d on the pooled vector, whose shift (bias) is frozen at
+  zero. The metric loss (the triplet loss, head.triplet_weight) sees the features before the
+  BN, the classifier (the margin head, whose normalised class rows have no bias) the ones
+  after it, which are also the embeddings evaluation ranks by. With `neck_features` set
+  (training does when head.triplet_weight > 0) forward returns both in training mode:
+  (pooled features (B, 2048), embeddings (B, D)); in eval mode the embeddings alone.
 
-An optional Linear maps the 2048 features to `embedding_size` when that differs.
+An optional Linear maps the BN output to `embedding_size` when that differs from 2048.
 No weights are downloaded: `pretrained_path` may point to a local torchvision state dict.
 """
 
@@ -61,6 +64,8 @@ class ReIDResNet50(UnitChain):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout: must be in [0, 1), got {dropout}")
         self.embedding_size = embedding_size
+        # Training mode returns (pooled features, embeddings) when set (the triplet loss's).
+        self.neck_features = False
 
         self.base = resnet50(weights=None)
         # torchvision's classifier is replaced by the BN neck below.
@@ -106,15 +111,21 @@ class ReIDResNet50(UnitChain):
             return ("bnneck", "dropout") + (("fc",) if self.fc is not None else ())
         return (f"base.{unit}",)
 
-    def forward_unit(self, unit: str, x: torch.Tensor) -> torch.Tensor:
-        """One unit: images -> stem map, a bottleneck's map -> the next, map -> embeddings."""
+    def forward_unit(
+        self, unit: str, x: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One unit: images -> stem map, a bottleneck's map -> the next, map -> embeddings
+        (or, training with `neck_features`, (pooled features, embeddings))."""
         if unit == "stem":
             base = self.base
             return base.maxpool(base.relu(base.bn1(base.conv1(x))))
         if unit == "embedding":
             pooled = x.mean(dim=(2, 3))  # (B, 2048)
             x = self.dropout(self.bnneck(pooled))
-            return x if self.fc is None else self.fc(x)
+            embeddings = x if self.fc is None else self.fc(x)
+            if self.neck_features and self.training:
+                return pooled, embeddings
+            return embeddings
         return self.base.get_submodule(unit)(x)
 
 

@@ -44,7 +44,8 @@ from recognition.data.synthetic import ensure_synthetic_dataset
 from recognition.distributed import DistInfo
 from recognition.evaluation.run import check_training_targets, run_targets
 from recognition.heads import ShardedMarginSoftmax, build_head
-from recognition.models import backbone_from_config
+from recognition.heads.triplet import TrainingLoss
+from recognition.models import backbone_from_config, use_neck_features
 from recognition.models.cpu_layout import channels_last_refusal
 from recognition.models.freeze import freeze_batch_norm
 from recognition.optim import (
@@ -360,6 +361,11 @@ def build_model(
         else:
             model = wrap(cfg, dist_info, backbone)
         step: Callable[..., StepResult] = train_step
+        training_loss = TrainingLoss.from_weights(
+            cfg.head.id_weight, cfg.head.triplet_weight, cfg.head.triplet_margin
+        )
+        if training_loss is not None:  # head.id_weight, head.triplet_weight
+            step = partial(train_step, training_loss=training_loss)
         param_ids = None
     else:
         backbone, head, model, step, param_ids = _build_pipeline(
@@ -498,6 +504,9 @@ def _build_model(
         backbone = nn.SyncBatchNorm.convert_sync_batchnorm(backbone)
     if cfg.model.freeze_bn:
         log.info("model.freeze_bn: %d BatchNorm layers frozen", freeze_batch_norm(backbone))
+    if cfg.head.triplet_weight > 0:
+        where = "before the BN neck" if use_neck_features(backbone) else "the embeddings"
+        log.info("head.triplet_weight: the triplet loss on the features %s", where)
     backbone = _to_device(backbone, device, memory_format)
     # Each rank builds only its shard of the class matrix (the head reads rank and world
     # size from the process group), drawn so that the whole matrix is the same on any

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from recognition import distributed
+from recognition.heads.triplet import TrainingLoss
 from recognition.precision import Precision, StepResult, grad_norms, stacked_float64
 
 
@@ -44,6 +45,8 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     precision: Precision,
     max_grad_norm: float | None,
+    *,
+    training_loss: TrainingLoss | None = None,
 ) -> StepResult:
     """One optimizer step over `micro_batches` (gradient accumulation when more than one).
 
@@ -51,6 +54,10 @@ def train_step(
     then all-reduced once, in the last micro-batch's backward. `head` is the class-sharded
     margin softmax: its share of the gradient norm is summed over ranks
     (`global_grad_norm`), so that every rank clips by the same global norm.
+    `training_loss` (head.id_weight, head.triplet_weight) weighs the head's loss and adds
+    the triplet loss of the backbone's features: the features before its BN neck when the
+    backbone returns (features, embeddings) in training (`neck_features`), else the
+    embeddings. None: the head's loss alone.
 
     Each micro-batch's loss is divided by their number before backward, so the gradient is
     that of the mean loss over all of them. A non-finite loss skips the whole step on the
@@ -74,8 +81,11 @@ def train_step(
         defer_sync = is_ddp and index < num_micro - 1
         with syncing.no_sync() if defer_sync else contextlib.nullcontext():  # type: ignore[operator]
             with precision.autocast():
-                embeddings = backbone(precision.cast_inputs(images))  # (B, D)
-                loss = head(embeddings, labels)  # same scalar on every rank
+                output = backbone(precision.cast_inputs(images))
+                features, embeddings = output if isinstance(output, tuple) else (output, output)
+                loss = head(embeddings, labels)  # (B, D) in: the same scalar on every rank
+                if training_loss is not None:
+                    loss = training_loss(loss, features, labels)
             skip_backward = checks_loss_on_host and not bool(torch.isfinite(loss))
             if not skip_backward:
                 precision.backward(loss / num_micro)

@@ -104,7 +104,12 @@ def fake_step(
 
 # Fused optimizer steps that torch has no fake kernel for (2.11 to 2.14: SGD's). They
 # update their tensors in place and return nothing, so on fake tensors they do nothing.
-_INPLACE_STEPS = ("_fused_sgd_", "_fused_sgd_.tensor_lr", "_fused_adamw_.tensor_lr")
+_INPLACE_STEPS = (
+    "_fused_sgd_",
+    "_fused_sgd_.tensor_lr",
+    "_fused_adamw_.tensor_lr",
+    "_fused_adam_.tensor_lr",
+)
 _meta_library: list[torch.library.Library] = []
 
 
