@@ -22,6 +22,8 @@ from recognition.config import ConfigError, load_config
 # Seconds a rank > 0 waits before leaving on an error every rank met, so that rank 0 says it
 # before torchrun stops the job.
 REPLICA_GRACE_S = 2.0
+# When this process began to run train.py (the exit line says how long ago).
+STARTED = time.monotonic()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunStopped as stopped:  # a stop signal or the time limit, with a checkpoint
         if rank == 0:
             print(stopped, file=sys.stderr)
+        _log_exit(EXIT_STOPPED)
         return EXIT_STOPPED
     except Exception as raised:
         # OSError: files and folders (a missing or unreadable one, a full disk), named in the
@@ -132,7 +135,16 @@ def main(argv: list[str] | None = None) -> int:
         if not is_collective_failure(raised):
             raise
         _collective_failure(raised, rank, cfg.train.timeout_s, cfg.run_dir)
+    _log_exit(0)
     return 0
+
+
+def _log_exit(status: int) -> None:
+    """The run's last line: the process exits now (its workers and process group are gone),
+    so the time from this line to the process's end is the interpreter's own teardown."""
+    logging.getLogger("recognition.train").info(
+        "exiting with status %d, %.1f s after train.py started", status, time.monotonic() - STARTED
+    )
 
 
 def _reported(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:

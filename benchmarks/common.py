@@ -1,9 +1,11 @@
-"""What several benchmarks share: the repository's root, and a command run in a process
-group of its own under a time limit, its output in a log file (`run_command`, `log_tail`)."""
+"""What several benchmarks share: the repository's root, a command run in a process group
+of its own under a time limit, its output in a log file (`run_command`, `log_tail`), and
+the seconds a `train.py` process took to end after its last line (`exit_after_last_line`)."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -36,3 +38,14 @@ def log_tail(log_path: Path, lines: int = 25) -> list[str]:
     except OSError:
         return []
     return [line for line in text.splitlines() if line.strip()][-lines:]
+
+
+_EXIT_LINE = re.compile(r"exiting with status \d+, ([0-9.]+) s after train\.py started")
+
+
+def exit_after_last_line(output: str, wall_s: float) -> float | None:
+    """Seconds from train.py's last line (`exiting with status S, T s after train.py
+    started`) to the end of its process, which ran `wall_s`: the interpreter's start and
+    teardown (a loader whose workers outlive the run shows here); None without the line."""
+    found = _EXIT_LINE.findall(output)
+    return None if not found else max(0.0, wall_s - float(found[-1]))

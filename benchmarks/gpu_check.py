@@ -16,13 +16,16 @@ Sections, in order of value (benchmarks/gpu_sections.py measures them):
                memory (benchmarks/head.py), the largest class count the fused update fits,
                and the tiles the kernels chose by timing;
 3. throughput  IResNet-50, 112 px, batch 256, bf16, channels-last: model-only images/s eager,
-               end to end from a JPEG folder it generates with data.decode cpu and gpu, the
-               data.augment=face batch on the device (augment_batch) against the model's
-               step, and compiled (benchmarks/train_throughput.py);
+               its memory plan, the aten operations of its step counted on the CPU
+               (benchmarks/step_ops.py), the data.augment=face batch on the device
+               (augment_batch) against the model's step, end to end from a JPEG folder it
+               generates with data.decode cpu and gpu, and compiled last
+               (benchmarks/train_throughput.py);
 4. multi_gpu   with 2 GPUs: a DDP run with SyncBN and a 2-stage pipeline run
                (benchmarks/train_scaling.py's run_one); skipped, and said so, on one;
 5. training    `python train.py` of the default config at 112 px on the GPU, to its
-               verification accuracy (and the kernel head.kernel=auto chose).
+               verification accuracy (and the kernel head.kernel=auto chose), and the
+               seconds from its last line to its process's end.
 
 Each section runs as `python -m benchmarks.gpu_check --section NAME` in a process group of
 its own, killed at its time limit, so that a hang or a crashed CUDA context in one cannot
@@ -30,15 +33,19 @@ take the others down; the check goes on past a failure. A section writes its row
 file after each measurement, so what it measured before a timeout or a crash is kept.
 
 Time: the whole check gets --budget seconds (540: 9 minutes, a GPU loan's 10-minute command
-limit less a margin). Each section gets its own limit (SECTIONS) but never more than what
-is left of the budget after FLOOR_S for each section still to come, and a section left
-less than MIN_SECTION_S is skipped, with why. Inside, a section gives each measurement the
-time it has left, most valuable first. On one H100 the limits (tests 130 s, head 150 s,
-throughput 160 s, training 100 s) add up to the budget; two GPUs add the multi-GPU section
-(90 s), which the budget takes from the training run.
+limit less a margin). Each section has its own limit (SECTIONS); a section gets what is left
+of the budget less the limits of the sections still to come, so that the time an earlier
+section did not use is carried forward (the last section gets all that is left), and a
+section left less than MIN_SECTION_S is skipped, with why. Inside, a section measures its
+cheap rows before the slow ones and gives each the time it has left. On one H100 the limits
+(tests 130 s, head 150 s, throughput 160 s, training 100 s) add up to the budget; two GPUs
+add the multi-GPU section (90 s), and each section then starts from its share.
 
 It writes `benchmarks/results/gpu-<device>.json` (--json elsewhere; a --smoke run
 `gpu-<device>-smoke.json`) and a Markdown table beside it (`.md`), and prints the table.
+Each row carries its wall time (`wall_s`); the machine's line carries the host's speed
+(`host_dispatch_us`) and the commit. Before writing, it compares its rows with the report it
+replaces (--baseline another): a row `vs last` per regression (benchmarks/gpu_compare.py).
 Without a CUDA device it runs only with --smoke: the sections that need CUDA or 2 GPUs say
 `skipped` and why; the others run at tiny sizes on the CPU (tests/test_gpu_check.py runs it
 that way, so that it cannot rot between GPU loans).
@@ -59,6 +66,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import gpu_compare
 from benchmarks.common import REPO_ROOT, log_tail, run_command
 from benchmarks.table import write_json, write_text
 
@@ -66,7 +74,6 @@ RESULTS = REPO_ROOT / "benchmarks" / "results"
 
 BUDGET_S = 540.0
 SMOKE_BUDGET_S = 240.0
-FLOOR_S = 30.0  # kept back for each section still to come
 MIN_SECTION_S = 20.0  # a section with less than this left is skipped
 
 
@@ -93,9 +100,19 @@ NAMES = tuple(s.name for s in SECTIONS)
 
 
 PROBE = """
-import json, os, platform, torch
+import json, os, platform, statistics, time, torch
 info = {"torch": torch.__version__, "python": platform.python_version(),
         "cuda": torch.version.cuda, "gpus": torch.cuda.device_count(), "cpus": os.cpu_count()}
+# The host's speed at what bounds a step it enqueues: microseconds of one tiny CPU operation
+# (dispatch and Python, no arithmetic to speak of), the median of 5 rounds of 2,000.
+x = torch.zeros(4)
+rounds = []
+for _ in range(5):
+    start = time.perf_counter()
+    for _ in range(2000):
+        torch.add(x, 1.0)
+    rounds.append((time.perf_counter() - start) / 2000 * 1e6)
+info["host_dispatch_us"] = round(statistics.median(rounds), 3)
 try:
     import triton
     info["triton"] = triton.__version__
@@ -171,9 +188,15 @@ def skip_reason(section: Section, info: dict[str, Any], smoke: bool, only: list[
     return None
 
 
-def section_timeout(limit_s: float, left_s: float, sections_after: int) -> float:
-    """A section's limit: its own, but never what the sections after it need (FLOOR_S each)."""
-    return max(0.0, min(limit_s, left_s - FLOOR_S * sections_after))
+def section_timeout(limit_s: float, left_s: float, later_limits: list[float]) -> float:
+    """A section's time: what is left of the budget less the limits of the sections still
+    to come, so that what an earlier section did not use is carried forward to this one
+    (the last gets all that is left). When what is left is less than this limit and the
+    later ones together, it gets its share of it in proportion to the limits."""
+    reserved = sum(later_limits)
+    if left_s >= limit_s + reserved:
+        return left_s - reserved
+    return max(0.0, left_s * limit_s / (limit_s + reserved))
 
 
 def run_all(
@@ -189,9 +212,8 @@ def run_all(
         if reasons[section.name] is not None:
             results[section.name] = skipped(reasons[section.name])
             continue
-        after = sum(reasons[s.name] is None for s in SECTIONS[index + 1 :])
-        limit = section.smoke_limit_s if args.smoke else section.limit_s
-        timeout = section_timeout(limit, deadline - time.monotonic(), after)
+        later = [_limit(s, args.smoke) for s in SECTIONS[index + 1 :] if reasons[s.name] is None]
+        timeout = section_timeout(_limit(section, args.smoke), deadline - time.monotonic(), later)
         if timeout < MIN_SECTION_S:
             results[section.name] = skipped(f"the {budget:.0f} s budget is spent")
             continue
@@ -211,6 +233,10 @@ def run_all(
     return results
 
 
+def _limit(section: Section, smoke: bool) -> float:
+    return section.smoke_limit_s if smoke else section.limit_s
+
+
 def skipped(why: str) -> dict[str, Any]:
     return {"status": "skipped", "why": why, "rows": [], "notes": {}, "error": None}
 
@@ -228,22 +254,27 @@ def markdown(report: dict[str, Any]) -> str:
         f"## {title}{' (smoke)' if report['smoke'] else ''}",
         "",
         f"torch {info['torch']}, triton {info['triton']}, CUDA {info['cuda']}; "
-        f"{report['started']}, {report['wall_s']:.0f} s of a {report['budget_s']:.0f} s budget.",
+        f"{report['started']}, {report['wall_s']:.0f} s of a {report['budget_s']:.0f} s budget"
+        + (f"; commit {report['commit']}" if report.get("commit") else "")
+        + (f"; vs last: {report['comparison']['against']}" if report.get("comparison") else "")
+        + ".",
         "",
         "| section | measurement | result | target | status |",
         "|---|---|---|---|---|",
     ]
-    for name in NAMES:
-        section = report["sections"][name]
+    sections = [(name, report["sections"][name]) for name in NAMES]
+    if report.get("comparison") is not None:
+        sections.append(("vs last", report["comparison"]))
+    for name, section in sections:
         for row in section["rows"]:
             status = row.get("status", "ok")
             if status == "ok" and row.get("met") is not None:
                 status = "met" if row["met"] else "missed"
             cells = [name, row["what"], row["result"], row.get("target") or "", status]
             lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
-        if section["status"] == "skipped":
+        if section.get("status") == "skipped":
             lines.append(f"| {name} | - | {_cell(section['why'])} | | skipped |")
-        elif section["status"] != "ok" and section["error"]:
+        elif section.get("status", "ok") != "ok" and section["error"]:
             lines.append(
                 f"| {name} | (section) | {_cell(section['error'])} | | {section['status']} |"
             )
@@ -259,12 +290,42 @@ def output_paths(json_arg: Path | None, info: dict[str, Any], smoke: bool) -> tu
     return path, path.with_suffix(".md")
 
 
+def commit() -> str | None:
+    """The checked-out commit (short hash, `+` when the tree has changes), or None where
+    there is no git repository (a copied tree)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: a CPU in a minute")
     parser.add_argument("--only", nargs="+", choices=NAMES, default=None, help="these sections")
     parser.add_argument("--budget", type=float, default=None, help="seconds for the whole check")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="compare with this report (default: the one --json replaces)",
+    )
     parser.add_argument("--section", choices=NAMES, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--limit", type=float, help=argparse.SUPPRESS)
@@ -284,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
               "--smoke`, which checks the script at tiny sizes", file=sys.stderr)  # fmt: skip
         return 2
     json_path, md_path = output_paths(args.json, info, args.smoke)
+    # Read before this run writes over it: the last committed results of this device.
+    baseline_path = args.baseline or json_path
+    baseline = gpu_compare.load_baseline(baseline_path)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:
         # From the check's start: the probe (a CUDA start, seconds) is part of the budget.
         sections = run_all(args, info, Path(scratch), start)
@@ -291,10 +355,20 @@ def main(argv: list[str] | None = None) -> int:
         "machine": info,
         "smoke": args.smoke,
         "started": started,
+        "commit": commit(),
         "budget_s": args.budget or (SMOKE_BUDGET_S if args.smoke else BUDGET_S),
         "wall_s": round(time.monotonic() - start, 1),
         "sections": sections,
+        "comparison": None,
     }
+    if baseline is not None:
+        against = f"{baseline_path.name}" + (
+            f" (commit {baseline['commit']})" if baseline.get("commit") else ""
+        )
+        rows = gpu_compare.compare(baseline, report)
+        report["comparison"] = {"against": against, "rows": rows}
+        regressed = sum(row["status"] == "regressed" for row in rows)
+        print(f"[vs last] {regressed} regressions against {against}", file=sys.stderr)
     table = markdown(report)
     write_json(json_path, report)
     write_text(md_path, table)

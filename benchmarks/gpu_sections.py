@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT, log_tail, run_command
+from benchmarks.common import REPO_ROOT, exit_after_last_line, log_tail, run_command
 
 MARGIN_S = 3.0  # the runner kills the section at its limit: stop planning a bit before
 GIB = 2**30
@@ -47,6 +47,8 @@ class SectionRun:
     scratch: Path = Path(".")
     rows: list[dict[str, Any]] = field(default_factory=list)
     notes: dict[str, Any] = field(default_factory=dict)
+    # When the row being measured began: the section's start, then each row's end.
+    mark: float = field(default_factory=time.monotonic)
 
     @property
     def gpu(self) -> bool:
@@ -57,9 +59,13 @@ class SectionRun:
 
     def add(self, what: str, result: str, *, target: str | None = None,
             met: bool | None = None, status: str = "ok", **data: Any) -> None:  # fmt: skip
-        """Record one measurement (status ok, failed or skipped) and write the rows."""
+        """Record one measurement (status ok, failed or skipped) and write the rows. Its
+        wall_s is the time since the row before it (or the section's start): what the
+        measurement took, its setup included."""
+        now = time.monotonic()
         row = {"what": what, "result": result, "target": target, "met": met, "status": status}
-        self.rows.append({**row, "data": data})
+        self.rows.append({**row, "wall_s": round(now - self.mark, 1), "data": data})
+        self.mark = now
         self.flush()
 
     def skip(self, what: str, why: str) -> None:
@@ -177,8 +183,19 @@ def head_plan(run: SectionRun) -> HeadPlan:
     return HeadPlan((1_000_000, 10_000_000), 1024, 512, 65_536, 5, "bfloat16")
 
 
-CASE_RESERVE_S = 8.0  # kept back for each head case still to come
+# Kept back for each head case still to come: a case's time grows with its class count
+# (drawing the rows, the steps, the matmul it is compared with: 10M took tens of seconds on
+# an H200, 1M a few), so a 10M case is not left the seconds a 1M case needs.
+CASE_RESERVE_S = 4.0
+CASE_RESERVE_PER_MILLION_S = 2.5
 SEARCH_RESERVE_S = 30.0  # and for the search of the largest class count
+
+
+def case_reserve(num_classes: int) -> float:
+    """Seconds kept back for a head case of `num_classes` still to come."""
+    return CASE_RESERVE_S + CASE_RESERVE_PER_MILLION_S * num_classes / 1e6
+
+
 HEAD_VARIANTS = (  # most valuable first: the Triton kernel, torch, the fused update, and
     # the fused backward that the GEMM backward replaced as the default (for the comparison)
     ("triton", "sharded", False, "gemm"),
@@ -202,8 +219,8 @@ def section_head(run: SectionRun) -> None:
         what = f"{label}, {num_classes:,} classes"
         # What is left, less a share kept for the cases and the search after this one (the
         # first Triton case also times the kernels' tiles: tens of seconds, once).
-        later = len(cases) - index - 1
-        budget = run.time_left() - CASE_RESERVE_S * later - (0 if run.smoke else SEARCH_RESERVE_S)
+        later = sum(case_reserve(c) for c, _ in cases[index + 1 :])
+        budget = run.time_left() - later - (0 if run.smoke else SEARCH_RESERVE_S)
         if budget < 10:
             run.skip(what, "no time left in the section")
             continue
@@ -345,9 +362,16 @@ def section_throughput(run: SectionRun) -> None:
     _model_row(run, "model only, eager", model, matmul)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the end-to-end runs are processes of their own
+    # The cheap rows first (seconds of CPU each), then the end-to-end runs, compiling last
+    # (about a minute): a section short of time loses the slowest row, not the cheap ones.
+    if run.time_left() < 15:
+        run.skip("memory plan of the eager step", "no time left in the section")
+    else:
+        _plan_row(run, plan, base, model)
+    _ops_row(run, plan)
+    _augment_row(run, cfg, device, model["images_per_s"])
     for decode in ("cpu", "gpu"):
         _end_to_end(run, plan, folder, base, decode, model["images_per_s"], train_throughput)
-    _augment_row(run, cfg, device, model["images_per_s"])
     what = "model only, compiled"
     if run.smoke:
         run.skip(what, "on a GPU only (inductor takes minutes on a CPU)")
@@ -358,11 +382,26 @@ def section_throughput(run: SectionRun) -> None:
             config(True), device, plan.identities, plan.steps, plan.warmup
         )
         _model_row(run, what, compiled, matmul)
-    # Last: the plan takes seconds of CPU (IResNet-50 at batch 256: about 5 s).
-    if run.time_left() < 15:
-        run.skip("memory plan of the eager step", "no time left in the section")
-    else:
-        _plan_row(run, plan, base, model)
+
+
+def _ops_row(run: SectionRun, plan: ThroughputPlan) -> None:
+    """The aten operations one eager step of the model-only row dispatches, counted on the
+    CPU (benchmarks/step_ops.py): the host's work per step, which bounds a step whose
+    kernels are shorter than their launches."""
+    from benchmarks import step_ops
+
+    what = "aten operations per step (CPU count)"
+    if run.time_left() < (10 if run.smoke else 30):
+        run.skip(what, "no time left in the section")
+        return
+    # The model-only row's config, at the counting size (the count does not depend on it).
+    cfg = step_ops.gpu_check_config(*plan.overrides, *step_ops.COUNT_SIZE)
+    counted = step_ops.count_step(cfg, plan.identities)
+    phases = ", ".join(f"{k} {v:,}" for k, v in counted["by_phase"].items())
+    target = None if run.smoke else f"<= {step_ops.TARGET}"
+    run.add(what, f"{counted['ops_per_step']:,} ({phases})", target=target,
+            met=None if target is None else counted["ops_per_step"] <= step_ops.TARGET,
+            **counted)  # fmt: skip
 
 
 def _model_row(run: SectionRun, what: str, model: dict, matmul: float) -> None:
@@ -527,15 +566,18 @@ def section_training(run: SectionRun) -> None:
     results = json.loads((out / "eval.json").read_text())
     name, result = next(iter(results.items()))
     accuracy = result["accuracy"]
+    train_log = (out / "train.log").read_text(errors="replace")
+    exit_s = exit_after_last_line(train_log, wall)
     text = (f"{name} accuracy {100 * accuracy:.2f} % (AUC {result['auc']:.4f}), loss "
             f"{_fmt(steps[-1]['loss'], '.3f')} after {steps[-1]['step']} steps, "
             f"{statistics.median(rates):,.0f} samples/s, {wall:.0f} s")  # fmt: skip
+    text += "" if exit_s is None else f" (exit {exit_s:.1f} s after its last line)"
     target = None if run.smoke else ">= 95 % (the CPU run at 48 px: 96.6 %)"
     run.add(what, text, target=target, met=None if target is None else accuracy >= 0.95,
             accuracy=accuracy, auc=result["auc"], steps=steps[-1]["step"],
-            samples_per_sec=statistics.median(rates), wall_s=wall)  # fmt: skip
+            samples_per_sec=statistics.median(rates), wall_s=wall, exit_s=exit_s)  # fmt: skip
     marker = "head.kernel=auto: "
-    lines = (out / "train.log").read_text().splitlines()
+    lines = train_log.splitlines()
     auto = [line.split(marker, 1)[1] for line in lines if marker in line]
     if auto:
         run.add("head.kernel=auto chose", auto[0])

@@ -285,3 +285,37 @@ def test_market1501_config_trains_on_a_tiny_market_tree(tmp_path: Path):
         crop.rename(crop.with_name("0099" + crop.name[4:]))
     with pytest.raises(TrainingError, match="classes.txt"):
         train(load_config(str(run_dir / "config.yaml"), ["train.resume=true", "train.max_steps=3"]))
+
+
+class _Numbers(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor(index)
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_stop_workers_ends_a_loaders_workers_at_once(persistent, wrapped):
+    """A DataLoader's workers, or those of a generator over one (DeviceBatches), are gone
+    when stop_workers returns, persistent or not; the loader and iterator stay referenced
+    (as the run holds them), so nothing but stop_workers can have ended them."""
+    import multiprocessing
+
+    from recognition.data.workers import stop_workers
+
+    before = {child.pid for child in multiprocessing.active_children()}
+    loader = DataLoader(_Numbers(), batch_size=4, num_workers=2, persistent_workers=persistent)
+    holder = type("Holder", (), {})()  # what DeviceBatches is to the training loop
+    holder.loader = loader
+    iterator = (batch for batch in loader) if wrapped else iter(loader)
+    assert int(next(iterator)[0]) == 0
+
+    def ours() -> list[int]:
+        return [c.pid for c in multiprocessing.active_children() if c.pid not in before]
+
+    assert len(ours()) == 2
+    stop_workers(holder if wrapped else loader, iterator)
+    assert ours() == []
+    del iterator, loader, holder

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import helpers
@@ -181,6 +184,80 @@ def test_train_step_accumulation_matches_one_big_batch():
     assert float(two.loss) == pytest.approx(float(one.loss), rel=1e-12)
     for a, b in zip(p_one, p_two, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# The losses and gradient norms (float.hex) of the first 6 steps of `tiny_config`'s run (the
+# default config's model, head, optimizer and precision on the tiny folder) as the code gave
+# them before the step's gradient norm became one multi-tensor norm (commit 8e7668e), with
+# the CPU kernels pinned to AVX2 and one thread (GOLDEN_ENV): the step's numbers must not
+# move when its host work changes. oneDNN's AVX-512 convolutions round differently, hence
+# the pins; the run is a process of its own, since the pins act when torch starts.
+GOLDEN_CURVE = [
+    (1, "0x1.04b3720000000p+4", "0x1.fc28f639fba3bp+8"),
+    (2, "0x1.c9c53c0000000p+3", "0x1.74b1d3a05f864p+8"),
+    (3, "0x1.1384400000000p+4", "0x1.ffbde1590080ep+7"),
+    (4, "0x1.26a9020000000p+3", "0x1.45c1c94d609e7p+7"),
+    (5, "0x1.4d511a0000000p+2", "0x1.0438e296d9f7ap+7"),
+    (6, "0x1.b62cb60000000p+2", "0x1.9b0a02a547572p+6"),
+]
+GOLDEN_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1"}
+GOLDEN_RUN = """
+import json, sys
+from pathlib import Path
+import torch
+torch.set_num_threads(1)
+sys.path.insert(0, "tests")
+import helpers
+from recognition.training import train
+out = Path(sys.argv[1])
+faces = helpers.make_image_folder(out / "faces")
+run_dir = train(helpers.tiny_config(faces, out / "run", "train.max_steps=6"))
+records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+curve = [[r["step"], float(r["loss"]).hex(), float(r["grad_norm"]).hex()] for r in records]
+print(json.dumps(curve))
+"""
+
+
+@pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64"),
+    reason="the golden curve was recorded with x86-64's AVX2 kernels",
+)
+def test_the_default_run_keeps_its_curve_bit_for_bit(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", GOLDEN_RUN, str(tmp_path)],
+        cwd=helpers.REPO, env={**helpers.child_env(), **GOLDEN_ENV},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    curve = [tuple(step) for step in json.loads(done.stdout.strip().splitlines()[-1])]
+    assert curve == GOLDEN_CURVE
+
+
+def test_the_gradient_norm_is_the_per_tensor_norms_summed_in_float64():
+    """global_grad_norm against its definition, one tensor at a time: the norm of each
+    gradient (in fp32 at least), then the float64 sum of their squares in parameter order,
+    with fp32 and bf16 gradients interleaved (O2's BatchNorm among half weights)."""
+    from recognition.training import global_grad_norm
+
+    generator = torch.Generator().manual_seed(0)
+    params = []
+    for index in range(40):
+        dtype = torch.bfloat16 if index % 3 == 1 else torch.float32
+        shape = (1 + index % 7, 1 + (5 * index) % 11)
+        param = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+        param.grad = (torch.randn(shape, generator=generator) * 10.0 ** (index % 7 - 3)).to(dtype)
+        params.append(param)
+    params.append(torch.nn.Parameter(torch.zeros(2)))  # no gradient: not counted
+    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params[:-1]]
+    total = torch.zeros((), dtype=torch.float64)
+    for norm in norms:
+        total = total + norm.double() ** 2
+    got = global_grad_norm(params)
+    assert got.dtype == torch.float64
+    assert got.item() == pytest.approx(total.sqrt().item(), rel=1e-15, abs=0)
+    # Bit for bit against the same sum as one reduction in parameter order (the run's
+    # numbers depend on it): not the groups' order, nor any other.
+    assert got.item() == torch.stack([n.double() for n in norms]).square().sum().sqrt().item()
 
 
 def test_nonfinite_stop_says_no_checkpoint_exists_and_advises_only_what_is_unset(

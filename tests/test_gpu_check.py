@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import REPO, child_env
 
-from benchmarks import gpu_check, gpu_sections
+from benchmarks import common, gpu_check, gpu_sections
 
 # ---- running a section --------------------------------------------------------------------
 
@@ -94,13 +94,39 @@ def test_a_section_with_a_failed_row_fails_and_one_without_is_ok(tmp_path):
 # ---- the budget and what runs --------------------------------------------------------------
 
 
-def test_section_limits_leave_time_for_the_sections_after():
-    assert gpu_check.section_timeout(150, 540, 3) == 150
-    assert gpu_check.section_timeout(150, 100, 2) == 100 - 2 * gpu_check.FLOOR_S
-    assert gpu_check.section_timeout(150, 20, 3) == 0
+def test_section_limits_carry_unused_time_forward_and_leave_the_later_their_limits():
+    later = [160.0, 100.0]
+    assert gpu_check.section_timeout(150, 410, later) == 150  # the plan, to the second
+    # An earlier section that used 58 s less leaves them to this one, not to nobody.
+    assert gpu_check.section_timeout(150, 468, later) == 208
+    assert gpu_check.section_timeout(100, 163, []) == 163  # the last takes all that is left
+    # Short of the plan: each its share of what is left, by its limit.
+    assert gpu_check.section_timeout(150, 205, later) == pytest.approx(205 * 150 / 410)
+    assert gpu_check.section_timeout(150, 0, later) == 0
     # On one GPU (no multi-GPU section) the limits add up to the 9-minute budget.
     one_gpu = [s.limit_s for s in gpu_check.SECTIONS if s.gpus <= 1]
     assert sum(one_gpu) <= gpu_check.BUDGET_S <= 540
+
+
+def test_the_sections_run_with_the_time_the_ones_before_left(monkeypatch, tmp_path):
+    """Three sections of a 300 s smoke budget (limits 90, 90, 60), each done in 10 s:
+    each may use all but the later ones' limits (the first 150 s), so the time one leaves
+    goes to the next; the last gets all that is left."""
+    clock = [0.0]
+    info = {"gpus": 0, "device": "cpu", "torch": "t", "triton": None, "cuda": None}
+    limits = {}
+
+    def run_section(command, result_path, log_path, timeout_s, env=None):
+        limits[command[command.index("--section") + 1]] = timeout_s
+        clock[0] += 10.0
+        return {"status": "ok", "rows": [], "notes": {}, "why": None, "error": None, "wall_s": 10}
+
+    monkeypatch.setattr(gpu_check, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(gpu_check, "run_section", run_section)
+    args = SimpleNamespace(budget=300.0, smoke=True, only=["head", "throughput", "training"])
+    gpu_check.run_all(args, info, tmp_path, start=0.0)
+    # smoke limits: head 90, throughput 90, training 60
+    assert limits == {"head": 300 - 150, "throughput": 290 - 60, "training": 280}
 
 
 def test_the_head_benchmark_draws_the_class_rows_on_its_device(monkeypatch):
@@ -234,12 +260,30 @@ def test_pytest_output_gives_each_finished_test_its_outcome_and_reason():
 # ---- the whole script on this CPU --------------------------------------------------------------
 
 
+# A last report to compare with: the eager rate far above what a CPU reaches (a
+# regression), the training row measured (it is again), a host twice as fast.
+SMOKE_BASELINE = {
+    "machine": {"device": "cpu", "host_dispatch_us": 0.01},
+    "commit": "0123abc",
+    "sections": {
+        "throughput": {"status": "ok", "rows": [
+            {"what": "model only, eager", "result": "1e9 images/s", "status": "ok",
+             "data": {"images_per_s": 1e9}}]},
+        "training": {"status": "ok", "rows": [
+            {"what": "python train.py", "result": "...", "status": "ok", "data": {}}]},
+    },
+}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu_check") / "smoke.json"
+    folder = tmp_path_factory.mktemp("gpu_check")
+    out, baseline = folder / "smoke.json", folder / "last.json"
+    baseline.write_text(json.dumps(SMOKE_BASELINE))
     env = dict(child_env(), CUDA_VISIBLE_DEVICES="")  # the CPU, on a GPU machine too
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--smoke", "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.gpu_check", "--smoke", "--json", str(out),
+         "--baseline", str(baseline)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     return done, out
@@ -276,6 +320,23 @@ def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
         assert row["data"]["case"]["backward"] == ("fused" if "backward" in label else "gemm")
     assert head["largest class count, fused update"]["status"] == "skipped"
     throughput = rows_of(report, "throughput")
+    # The cheap rows before the end-to-end runs, compiling last.
+    assert list(throughput) == [
+        "model only, eager", "memory plan of the eager step",
+        "aten operations per step (CPU count)", "augment on the device, data.augment=face",
+        "end to end, data.decode=cpu", "end to end, data.decode=gpu", "model only, compiled",
+    ]  # fmt: skip
+    ops = throughput["aten operations per step (CPU count)"]
+    assert ops["status"] == "ok" and ops["data"]["ops_per_step"] == sum(
+        ops["data"]["by_phase"].values()
+    )
+    assert set(ops["data"]["by_phase"]) == {"forward", "backward", "step"}
+    # Each row its wall time; together no more than the section's.
+    for name, section in report["sections"].items():
+        walls = [row["wall_s"] for row in section["rows"]]
+        assert all(w >= 0 for w in walls), name
+        if walls:
+            assert sum(walls) <= section["wall_s"], name
     model_rate = throughput["model only, eager"]["data"]["images_per_s"]
     cpu = throughput["end to end, data.decode=cpu"]["data"]
     assert model_rate > 0 and cpu["images_per_s"] > 0
@@ -293,7 +354,24 @@ def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
     [run, auto] = report["sections"]["training"]["rows"]
     # 40 pairs: the accuracy is a whole number of pairs, and the run logged its 4 steps.
     assert run["data"]["steps"] == 4 and (40 * run["data"]["accuracy"]) % 1 == 0
+    # Its last line is the exit's, and the process ended soon after it (no loader left).
+    assert 0 <= run["data"]["exit_s"] < run["data"]["wall_s"]
+    assert f"(exit {run['data']['exit_s']:.1f} s after its last line)" in run["result"]
     assert auto["result"].startswith("torch (")
+
+
+def test_smoke_compares_its_rows_with_the_last_report(smoke):
+    done, out = smoke
+    report = json.loads(out.read_text())
+    assert report["machine"]["host_dispatch_us"] > 0
+    comparison = report["comparison"]
+    assert comparison["against"] == "last.json (commit 0123abc)"
+    [machine, eager] = comparison["rows"]
+    assert machine["what"] == "the machine" and "host 0.0 -> " in machine["result"]
+    assert eager["what"] == "throughput / model only, eager"
+    assert eager["status"] == "regressed" and eager["result"].startswith("images/s 1,000,000,000")
+    assert "| vs last | throughput / model only, eager |" in out.with_suffix(".md").read_text()
+    assert "[vs last] 1 regressions against last.json (commit 0123abc)" in done.stderr
 
 
 def planned_run(tmp_path: Path) -> tuple[gpu_sections.SectionRun, gpu_sections.ThroughputPlan]:
@@ -633,3 +711,12 @@ def test_the_memory_plan_row_against_a_real_step(tmp_path):
     assert row["met"] is True
     assert row["result"] == (f"planned {data['planned_bytes'] / 2**30:.2f} GiB, measured "
                              f"{measured / 2**30:.2f} GiB, x{data['ratio']:.3f}")  # fmt: skip
+
+
+def test_the_exit_is_timed_from_train_pys_last_line():
+    log = ("12:00:00 INFO recognition.training.loop: stopped 8 loader workers\n"
+           "12:00:59 INFO recognition.train: exiting with status 0, 58.6 s after train.py "
+           "started\n")  # fmt: skip
+    assert common.exit_after_last_line(log, 59.1) == pytest.approx(0.5)
+    assert common.exit_after_last_line(log, 58.0) == 0.0  # clocks apart: not negative
+    assert common.exit_after_last_line("no such line\n", 59.1) is None

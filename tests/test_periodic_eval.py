@@ -114,6 +114,40 @@ def test_periodic_eval_logs_and_keeps_the_best(data, tmp_path):
     assert [r["loss"] for r in records if "loss" in r] == plain_losses
 
 
+def test_the_loader_workers_are_gone_before_the_final_evaluation(data, tmp_path, monkeypatch):
+    """The training's loader workers stop when its batches are done, not when the garbage
+    collector frees the run after the evaluation (5 s a worker, persistent workers in a
+    reference cycle: recognition.data.workers.stop_workers)."""
+    import multiprocessing
+
+    from recognition.evaluation import run as evaluation
+
+    train_root, pairs = data
+    before = {child.pid for child in multiprocessing.active_children()}
+    alive: list[list[int]] = []
+    real = evaluation.evaluate_config_targets
+
+    def spy(*args, **kwargs):
+        alive.append([c.pid for c in multiprocessing.active_children() if c.pid not in before])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate_config_targets", spy)
+    run_dir = train(
+        config(
+            train_root,
+            tmp_path / "run",
+            f"eval.targets=[{{name: val, pairs: {pairs}}}]",
+            "eval.at_end=true",
+            "train.max_steps=2",
+            "data.num_workers=2",
+            "data.persistent_workers=true",
+        )
+    )
+    assert alive == [[]]  # the final evaluation ran, with no worker of this run alive
+    assert "stopped 2 loader workers" in (run_dir / "train.log").read_text()
+    assert (run_dir / "eval.json").is_file()
+
+
 def test_best_metric_is_validated():
     targets = [{"name": "lfw", "pairs": "lfw/pairs.txt"}, {"bin": "x/agedb_30.bin"}]
     ok = config_from_dict(

@@ -7,12 +7,22 @@ are modules of their own:
 - `masters`: the prepared parameters and the O2 fp32 master weights, their state;
 - `scaling`: the fp16 loss scaler (GradScaler, or ShardedGradScaler over ranks);
 - `update`: the optimizer update skipped on the device (the fused optimizers' `found_inf`
-  hand-over), the gradient norm that decides it, and `StepResult`.
+  hand-over), the gradient norm that decides it (`grad_norms`: one multi-tensor norm per
+  device and dtype), and `StepResult`.
 """
 
 from recognition.precision.levels import DTYPES, LEVELS, Level
 from recognition.precision.masters import master_weights
 from recognition.precision.precision import Precision
-from recognition.precision.update import StepResult
+from recognition.precision.update import StepResult, grad_norms, stacked_float64
 
-__all__ = ["DTYPES", "LEVELS", "Level", "Precision", "StepResult", "master_weights"]
+__all__ = [
+    "DTYPES",
+    "LEVELS",
+    "Level",
+    "Precision",
+    "StepResult",
+    "grad_norms",
+    "master_weights",
+    "stacked_float64",
+]

@@ -119,10 +119,32 @@ def total_grad_norm(params: list[Tensor], device: torch.device) -> Tensor:
         return torch.zeros((), dtype=torch.float32, device=device)
     if all(g.dtype == grads[0].dtype for g in grads) and grads[0].dtype in _WIDE:
         return torch.nn.utils.get_total_norm(grads)
-    # fp64 stays fp64 (a float64 reference run); anything narrower is widened to fp32.
-    norms = [
-        torch.linalg.vector_norm(g, dtype=g.dtype if g.dtype in _WIDE else torch.float32)
-        for g in grads
-    ]
-    norms = [n.double() for n in norms]
-    return torch.linalg.vector_norm(torch.stack(norms))
+    return torch.linalg.vector_norm(stacked_float64(grad_norms(grads), device))
+
+
+def grad_norms(grads: list[Tensor]) -> list[Tensor]:
+    """The L2 norm of each tensor of `grads`, in their order, as 0-dim tensors on its device:
+    float64 for a float64 tensor (a reference run), float32 for anything narrower or fp32.
+
+    One `torch._foreach_norm` per device and dtype rather than a norm per tensor: the
+    step's host work and kernel launches do not grow with the number of parameters (a
+    multi-tensor kernel on CUDA; on a CPU the same per-tensor norms, bit for bit).
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, grad in enumerate(grads):
+        groups.setdefault((grad.device, grad.dtype), []).append(index)
+    norms: list[Tensor] = list(grads)  # every entry replaced below
+    for (_, dtype), indices in groups.items():
+        wide = dtype if dtype in _WIDE else torch.float32
+        found = torch._foreach_norm([grads[i] for i in indices], 2, dtype=wide)
+        for index, norm in zip(indices, found, strict=True):
+            norms[index] = norm
+    return norms
+
+
+def stacked_float64(norms: list[Tensor], device: torch.device) -> Tensor:
+    """`norms` (0-dim tensors) as one float64 vector on `device`, in their order: one stack
+    and one cast when they share a device and a dtype (the usual case), not one per norm."""
+    if all(n.device == device and n.dtype == norms[0].dtype for n in norms):
+        return torch.stack(norms).to(torch.float64)
+    return torch.stack([n.to(device, torch.float64) for n in norms])

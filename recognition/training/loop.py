@@ -20,7 +20,7 @@ import gc
 import itertools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from recognition import checkpoint as ckpt
 from recognition import distributed
 from recognition.config import ExperimentConfig
 from recognition.config.values import parse_time_limit
+from recognition.data.workers import stop_workers
 from recognition.distributed import DistInfo
 from recognition.logging import MetricsWriter, setup_logging
 from recognition.preflight import InputError, input_problems
@@ -185,13 +186,27 @@ def run_loop(run: Run, hooks: list[Hook], step_fn: Callable | None = None) -> No
     non-finite guard counts them there. Nothing here reads a tensor value.
     """
     step_fn = run.step if step_fn is None else step_fn
-    cfg, progress = run.cfg, run.progress
-    device, memory_format = run.dist_info.device, run.memory_format
+    progress = run.progress
     for hook in hooks:
         hook.before_train(run)
     # One iterator for the whole run: the loader's workers keep loading across epochs.
     run.batches.start_at(progress.epoch, progress.batches_done)
     batches = iter(run.loader)
+    try:
+        _steps(run, hooks, step_fn, batches)
+    finally:
+        # The batches are done: the workers go now, not with the run's last reference (see
+        # stop_workers), and not while the evaluation runs.
+        if stopped := stop_workers(run.loader, batches):
+            log.info("stopped %d loader workers", stopped)
+    for hook in hooks:
+        hook.after_train(run)
+
+
+def _steps(run: Run, hooks: list[Hook], step_fn: Callable, batches: Iterator) -> None:
+    """The loop of `run_loop`: epochs of steps until the last step or a stop."""
+    cfg, progress = run.cfg, run.progress
+    device, memory_format = run.dist_info.device, run.memory_format
     while progress.step < run.last_step and run.stop_reason is None:
         for hook in hooks:
             hook.before_epoch(run)
@@ -224,8 +239,6 @@ def run_loop(run: Run, hooks: list[Hook], step_fn: Callable | None = None) -> No
             hook.after_epoch(run)
         if run.end_of_epoch:
             progress.epoch, progress.batches_done = progress.epoch + 1, 0
-    for hook in hooks:
-        hook.after_train(run)
 
 
 def _finish(run: Run) -> None:

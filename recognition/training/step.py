@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from recognition import distributed
 from recognition.heads.triplet import TrainingLoss
-from recognition.precision import Precision, StepResult
+from recognition.precision import Precision, StepResult, grad_norms, stacked_float64
 
 
 class ShardedPart(Protocol):
@@ -145,15 +145,8 @@ def global_grad_norm(
     return total.sqrt()
 
 
-_WIDE = (torch.float32, torch.float64)
-
-
 def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Sum of squares of every element of `grads`: a float64 scalar on `device`."""
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
-    norms = [
-        torch.linalg.vector_norm(g, dtype=g.dtype if g.dtype in _WIDE else torch.float32)
-        for g in grads
-    ]
-    return torch.stack([n.to(device, torch.float64) for n in norms]).square().sum()
+    return stacked_float64(grad_norms(grads), device).square().sum()
