@@ -15,9 +15,10 @@ Sections, in order of value (benchmarks/gpu_sections.py measures them):
                and triton with the fused update, ms per step, % of a same-size matmul, peak
                memory (benchmarks/head.py), the largest class count the fused update fits,
                and the tiles the kernels chose by timing;
-3. throughput  IResNet-50, 112 px, batch 256, bf16, channels-last: model-only images/s eager,
-               end to end from a JPEG folder it generates with data.decode cpu and gpu, and
-               compiled (benchmarks/train_throughput.py);
+3. throughput  IResNet-50, 112 px, batch 256, bf16, channels-last: model-only images/s eager
+               (and MobileFaceNet mbf's and ViT vit_b's in the same setting), end to end
+               from a JPEG folder it generates with data.decode cpu and gpu, and compiled
+               (benchmarks/train_throughput.py);
 4. multi_gpu   with 2 GPUs: a DDP run with SyncBN and a 2-stage pipeline run
                (benchmarks/train_scaling.py's run_one); skipped, and said so, on one;
 5. training    `python train.py` of the default config at 112 px on the GPU, to its
