@@ -146,13 +146,15 @@ def check_finetune(cfg: ExperimentConfig) -> None:
                 ("head.init=centroids", cfg.head.init == "centroids"),
                 ("model.freeze_bn=true", cfg.model.freeze_bn),
                 ("train.head_only_steps", cfg.train.head_only_steps > 0),
+                ("train.teacher", cfg.train.teacher is not None),
             )
             if on
         ]
         if used:
             raise ConfigError(
                 f"model.pipeline_stages={cfg.model.pipeline_stages} cannot be combined with "
-                f"{', '.join(used)} (fine-tuning runs the whole backbone on every rank)"
+                f"{', '.join(used)} (fine-tuning and distillation run the whole backbone on "
+                "every rank)"
             )
 
 

@@ -36,6 +36,7 @@ from recognition.data.market_train import Market1501TrainDataset
 from recognition.data.recordio import RecordIODataset
 from recognition.data.sampler import AugmentedView, IdentityBalancedSampler, ResumableSampler
 from recognition.data.source import TrainSource
+from recognition.data.teacher_table import TeacherTable
 from recognition.data.workers import exit_with_parent
 
 log = logging.getLogger(__name__)
@@ -174,9 +175,12 @@ def build_loader(
     device: torch.device,
     memory_format: torch.memory_format = torch.preserve_format,
     generator: torch.Generator | None = None,
-) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    targets: TeacherTable | None = None,
+) -> Iterable[tuple[torch.Tensor, ...]]:
     """The training batches of `source` in the order of `batch_sampler` (batches of
-    `(index, sample_seed)` keys), as ((B, 3, H, W) images, (B,) labels).
+    `(index, sample_seed)` keys), as ((B, 3, H, W) images, (B,) labels); with `targets` (a
+    distilled run's `TeacherTable`), also the teacher's embeddings (B, D) of the views
+    the samples took.
 
     decode=cpu: a DataLoader whose workers decode and augment (`AugmentedView`); the batches
     are on the host. decode=gpu: the workers read bytes (`EncodedView`) and the batches come
@@ -185,7 +189,7 @@ def build_loader(
     options = loader_options(data_cfg, device)
     if decode == "cpu":
         return DataLoader(
-            AugmentedView(source, flip=data_cfg.flip),
+            AugmentedView(source, flip=data_cfg.flip, targets=targets),
             batch_sampler=batch_sampler,
             generator=generator,
             **options,
@@ -200,5 +204,10 @@ def build_loader(
     if memory_format == torch.preserve_format:
         memory_format = torch.contiguous_format
     return DeviceBatches(
-        loader, source, device=device, image_size=data_cfg.image_hw, memory_format=memory_format
+        loader,
+        source,
+        device=device,
+        image_size=data_cfg.image_hw,
+        memory_format=memory_format,
+        targets=targets,
     )

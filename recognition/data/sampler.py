@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,22 +68,29 @@ def draw_flip(sample_seed: int) -> bool:
 class AugmentedView(Dataset):
     """Wraps a dataset of (CHW image, label) and applies seeded random augmentation.
 
-    Indexed with the `(index, sample_seed)` pairs of `ResumableSampler`.
+    Indexed with the `(index, sample_seed)` pairs of `ResumableSampler`. With `targets` (a
+    distilled run's table of the teacher's embeddings, `recognition.data.teacher_table`),
+    each sample also brings the teacher's embedding of the view it took: (image, label,
+    (D,) float16).
     """
 
-    def __init__(self, base: Dataset, *, flip: bool):
+    def __init__(self, base: Dataset, *, flip: bool, targets: Any = None):
         self.base = base
         self.flip = flip
+        self.targets = targets
 
     def __len__(self) -> int:
         return len(self.base)  # type: ignore[arg-type]
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
         index, seed = key
         image, label = self.base[index]
-        if self.flip and draw_flip(seed):
+        flipped = self.flip and draw_flip(seed)
+        if flipped:
             image = image.flip(-1)
-        return image, label
+        if self.targets is None:
+            return image, label
+        return image, label, self.targets.lookup(index, flipped)
 
 
 class IdentityBalancedSampler(Sampler[tuple[int, int]]):
