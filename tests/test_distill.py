@@ -19,7 +19,7 @@ from test_cli_faults import one_error_line
 
 import train
 from recognition import checkpoint as ckpt
-from recognition.config import ModelConfig, load_config
+from recognition.config import ConfigError, ModelConfig, load_config
 from recognition.data.build import build_loader, build_train_dataset
 from recognition.data.sampler import EpochBatches, ResumableSampler, draw_flip, sample_seed
 from recognition.data.teacher_table import TeacherTable, cached_views
@@ -30,7 +30,7 @@ from recognition.precision import Precision
 from recognition.training import train as run_training
 from recognition.training.distill import DistillTerm
 from recognition.training.plan import plan_rank
-from recognition.training.teacher import build_teacher, read_teacher
+from recognition.training.teacher import TeacherFile, build_teacher, read_teacher
 from recognition.training.teacher_cache import RECORD_FILE, TEACHER_DIR, write_part
 
 
@@ -120,6 +120,33 @@ def test_the_loss_and_its_gradient_match_a_float64_reference(student_dim, teache
         torch.testing.assert_close(distill.projection.weight.grad, grad_w, rtol=1e-10, atol=1e-12)
     else:
         assert not list(distill.parameters())
+
+
+def test_config_refusals():
+    with pytest.raises(
+        ConfigError, match="pipeline_stages=2 cannot be combined with train.teacher"
+    ):
+        load_config("default", ["train.teacher=t.pt", "model.pipeline_stages=2"])
+    with pytest.raises(ConfigError, match="train.distill_weight: must be 0 or more, got -1.0"):
+        load_config("default", ["train.distill_weight=-1"])
+
+
+def test_a_resumed_run_refuses_another_teacher_or_none_recorded(tmp_path):
+    from recognition.training.teacher_cache import _decide, _write_record
+
+    folder = tmp_path / "run" / TEACHER_DIR
+    now = TeacherFile(tmp_path / "b.pt", "9c41" * 16, {}, (32, 32), 8)
+    action, line, _ = _decide(folder, now, None, None, 1, resuming=True)
+    assert action == "refuse" and "has no record of a teacher" in line and "not distilled" in line
+    _write_record(
+        folder, dataclasses.replace(now, path=tmp_path / "a.pt", sha256="3f2a" * 16), None
+    )
+    action, line, _ = _decide(folder, now, None, None, 1, resuming=True)
+    assert action == "refuse"
+    assert f"{now.path} (SHA-256 9c419c419c41...) is not the teacher this run learned from" in line
+    assert f"({tmp_path / 'a.pt'}, SHA-256 3f2a3f2a3f2a...)" in line
+    # A fresh run into that directory just records its own teacher.
+    assert _decide(folder, now, None, None, 1, resuming=False)[0] == "record"
 
 
 def test_views_a_table_can_hold():

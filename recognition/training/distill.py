@@ -128,10 +128,18 @@ def make_distillation(
     table: TeacherTable | None,
     device: torch.device,
     memory_format: torch.memory_format = torch.preserve_format,
+    *,
+    seed: int = 0,
 ) -> Distillation:
     """The run's `Distillation`: with `table` (cached embeddings) no teacher is built; else
-    the teacher is built on `device` (`build_teacher`), in the images' `memory_format`."""
-    loss = FeatureDistillation(student_dim, teacher_file.embedding_size)
+    the teacher is built on `device` (`build_teacher`), in the images' `memory_format`.
+
+    The projection is drawn from `seed` on a generator of its own: the run's random streams
+    are left as they are, so the student starts from the weights it has without a teacher.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        loss = FeatureDistillation(student_dim, teacher_file.embedding_size)
     if device.type != "cpu":  # (Module.to cannot convert the planner's fake parameters)
         loss = loss.to(device)
     teacher = None

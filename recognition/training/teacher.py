@@ -113,11 +113,13 @@ def teacher_outline(path: str | Path) -> TeacherFile:
 
 def build_teacher(teacher: TeacherFile, device: torch.device) -> nn.Module:
     """The teacher as a module on `device`: fp32, in eval mode, without gradients; without
-    weights (as built) for an outline."""
+    weights (as built) for an outline. Draws nothing from the run's random streams: a
+    student distilled with seed s starts from the weights it has alone with seed s."""
     if teacher.is_onnx:
         return OnnxBackbone(teacher.path, device, OnnxInput())
     assert teacher.model_cfg is not None
-    module = _build(teacher.model_cfg, teacher.image_hw)
+    with torch.random.fork_rng(devices=[]):  # the initial weights it draws are overwritten
+        module = _build(teacher.model_cfg, teacher.image_hw)
     if teacher.state is not None:
         module.load_state_dict(teacher.state, strict=True)
     module = module.to(device) if device.type != "cpu" else module

@@ -95,7 +95,7 @@ def prepare_distillation(
         _write_record(folder, teacher_file, None)
     return make_distillation(
         teacher_file, cfg.model.embedding_size, cfg.train.distill_weight, table,
-        dist_info.device, memory_format,
+        dist_info.device, memory_format, seed=cfg.seed,
     )  # fmt: skip
 
 
@@ -247,6 +247,8 @@ def write_part(
         num_workers=num_workers,
         worker_init_fn=exit_with_parent if num_workers else None,
         pin_memory=device.type == "cuda",
+        # Its own generator: the pass draws nothing from the run's random streams.
+        generator=torch.Generator(),
     )
     row = 0
     for images in tqdm(loader, desc="train.teacher", unit="batch", disable=not progress):
