@@ -218,9 +218,12 @@ def test_cached_and_alongside_steps_agree_and_the_teacher_never_trains(faces, tm
     table.folder.mkdir()
     cpu = torch.device("cpu")
     precision = Precision("O0", "bf16", cpu)
-    write_part(
-        build_teacher(teacher_file, cpu), teacher_file, source, table, 0, precision, batch_size=8
-    )
+    streams = torch.get_rng_state()
+    teacher = build_teacher(teacher_file, cpu)
+    write_part(teacher, teacher_file, source, table, 0, precision, batch_size=8)
+    make_distillation(teacher_file, 16, 1.0, None, cpu)  # a projection, the teacher alongside
+    # Nothing drawn from the run's streams: a distilled student starts as it does alone.
+    assert torch.equal(torch.get_rng_state(), streams)
     picked = [0, 7, 15, 22, 30, 41, 55, 70]
     images = torch.stack([source[i][0] for i in picked])
     labels = torch.tensor([source[i][1] for i in picked])
@@ -231,7 +234,6 @@ def test_cached_and_alongside_steps_agree_and_the_teacher_never_trains(faces, tm
         distill = make_distillation(
             teacher_file, 16, 10.0, table if mode == "cached" else None, cpu
         )
-        torch.manual_seed(1)  # (building the teacher drew from the generator)
         parts = build_model(
             cfg, DistInfo(0, 0, 1), 12, None, torch.preserve_format, distill=distill
         )

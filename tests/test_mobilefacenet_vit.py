@@ -227,10 +227,16 @@ def test_vit_matches_the_functional_reference_in_float64(name):
     torch.manual_seed(0)
     size = dataclasses.replace(VIT_SIZES[name], depth=depth)
     model = randomised(VisionTransformer(size, embedding_size=48, image_size=27), 2)
+    with torch.no_grad():
+        for block in model.blocks:  # MLP inputs beyond ReLU6's 6 (trained weights reach it)
+            block.mlp.fc1.weight.normal_(0, 4 / math.sqrt(block.mlp.fc1.in_features))
     x = torch.randn(2, 3, 27, 27, dtype=torch.float64)
     with torch.no_grad():
         got = model(x)
         expected = vit_reference(x, model.state_dict(), depth)
+        first = model.blocks[0]
+        hidden = first.mlp.fc1(first.norm2(model.patch_embed(x) + model.pos_embed))
+    assert (hidden > 6).any() and (hidden < 0).any()  # both ends of ReLU6 are used
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
 
 
@@ -247,6 +253,22 @@ def test_training_masks_tokens_and_puts_mask_token_in_their_place():
         assert int(is_kept.sum()) == 7
         assert torch.equal(back[b][is_kept], tokens[b][is_kept])  # each in its own place
         assert (back[b][~is_kept] == -1).all()
+
+    # The model's own put-back: with no blocks, every row of the flattened tokens is either
+    # its own token (normalised) or the mask token, which stands in for 16 - 14 of them.
+    torch.manual_seed(0)
+    size = dataclasses.replace(VIT_SIZES["vit_t"], depth=0)
+    bare = VisionTransformer(size, embedding_size=8, width=0.125, image_size=36).train()
+    rows = []
+    bare.dropout.register_forward_hook(lambda m, args, out: rows.append(out.reshape(3, 16, 32)))
+    x = torch.randn(3, 3, 36, 36)
+    bare(x)
+    with torch.no_grad():
+        own = bare.norm(bare.patch_embed(x) + bare.pos_embed)  # (3, 16, 32)
+    for b in range(3):
+        is_mask = torch.isclose(rows[0][b], bare.mask_token[0]).all(dim=1)
+        assert int(is_mask.sum()) == 2
+        torch.testing.assert_close(rows[0][b][~is_mask], own[b][~is_mask])
 
     model = build_backbone("vit_t", embedding_size=16, width=0.125, image_size=36)  # 16 tokens
     seen = []
