@@ -316,7 +316,8 @@ def test_the_planner_counts_the_teacher(faces, tmp_path):
     base = [*tiny_run_overrides(faces, tmp_path / "run"), "train.batch_size=8"]
 
     def plan(*extra: str):
-        return plan_rank(load_config("default", [*base, *extra]), 12, 1, 0, granularity=1)
+        cfg = load_config("default", [*base, *extra])
+        return plan_rank(cfg, 12, 1, 0, granularity=1, detailed=False)  # the peaks alone
 
     alone = plan()
     alongside = plan(f"train.teacher={teacher}", "train.teacher_cache=false")
@@ -324,7 +325,6 @@ def test_the_planner_counts_the_teacher(faces, tmp_path):
     assert alone.teacher_pass == 0 and alongside.teacher_pass == 0
     # Alongside: the teacher's fp32 weights live through the step, and its forward runs.
     assert alongside.peak >= alone.peak + weights
-    assert alongside.flops_backbone > alone.flops_backbone
     # Cached: the pass before step 1 holds the teacher and one batch through it; the step
     # holds the batch's cached rows (8 x 24 float16) and the projection (16 x 24), no teacher.
     assert cached.teacher_pass > weights
