@@ -7,7 +7,7 @@
         model.backbone=iresnet18 model.width=0.125 train.batch_size=8 data.image_size=32 \
         data.channels_last=false train.compile_backend=aot_eager   # a try of the script on a CPU
 
-What the GPU check's `model only` rows measure (benchmarks/gpu_sections.py: IResNet-50,
+What the GPU check's `model only` rows measure (benchmarks/gpu_throughput.py: IResNet-50,
 112 px, batch 256, O1 bf16, channels-last, 512 classes, 20 timed steps after 5), each tree
 measured by its own code (`benchmarks.train_throughput.measure_model` of that tree) in a
 process of its own, with an empty Inductor cache of its own (a compile from cold, as on a
@@ -44,7 +44,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# The GPU check's model-only rows (benchmarks/gpu_sections.py, throughput_plan, not smoke).
+# The GPU check's model-only rows (benchmarks/gpu_throughput.py, throughput_plan, not smoke).
 CONFIG = "ms1m_arcface"
 OVERRIDES = ("model.backbone=iresnet50", "train.batch_size=256", "data.image_size=112",
              "data.channels_last=true", "precision.level=O1", "precision.dtype=bf16",

@@ -5,7 +5,7 @@
     python -m benchmarks.gpu_check --only head training  # some sections (the others: skipped)
     python -m benchmarks.gpu_check --smoke               # on a CPU: tiny sizes, about a minute
 
-Sections, in order of value (benchmarks/gpu_sections.py measures them):
+Sections, in order of value (benchmarks/gpu_sections.py and, for the throughput, benchmarks/gpu_throughput.py measure them):
 
 1. tests       the suite's CUDA tests (`pytest -m cuda`: helpers.needs_cuda), `auto` meaning
                the GPU inside them, the steady-state steps under
@@ -15,8 +15,9 @@ Sections, in order of value (benchmarks/gpu_sections.py measures them):
                and triton with the fused update, ms per step, % of a same-size matmul, peak
                memory (benchmarks/head.py), the largest class count the fused update fits,
                and the tiles the kernels chose by timing;
-3. throughput  IResNet-50, 112 px, batch 256, bf16, channels-last: model-only images/s eager,
-               its memory plan, the aten operations of its step counted on the CPU
+3. throughput  IResNet-50, 112 px, batch 256, bf16, channels-last: model-only images/s eager
+               (and MobileFaceNet mbf's and ViT vit_b's in the same setting), its memory
+               plan, the aten operations of its step counted on the CPU
                (benchmarks/step_ops.py), the data.augment=face batch on the device
                (augment_batch) against the model's step, end to end from a JPEG folder it
                generates with data.decode cpu and gpu, and compiled last

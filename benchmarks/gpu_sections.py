@@ -24,60 +24,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from benchmarks.common import REPO_ROOT, exit_after_last_line, log_tail, run_command
-
-MARGIN_S = 3.0  # the runner kills the section at its limit: stop planning a bit before
-GIB = 2**30
-
-
-@dataclass
-class SectionRun:
-    """One section's run: what it knows (the machine, --smoke, its deadline, a scratch
-    folder) and the rows it has measured, written to `result_path` after each one."""
-
-    name: str
-    smoke: bool
-    info: dict[str, Any]
-    deadline: float  # time.monotonic()
-    result_path: Path
-    scratch: Path = Path(".")
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    notes: dict[str, Any] = field(default_factory=dict)
-    # When the row being measured began: the section's start, then each row's end.
-    mark: float = field(default_factory=time.monotonic)
-
-    @property
-    def gpu(self) -> bool:
-        return self.info["gpus"] > 0
-
-    def time_left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def add(self, what: str, result: str, *, target: str | None = None,
-            met: bool | None = None, status: str = "ok", **data: Any) -> None:  # fmt: skip
-        """Record one measurement (status ok, failed or skipped) and write the rows. Its
-        wall_s is the time since the row before it (or the section's start): what the
-        measurement took, its setup included."""
-        now = time.monotonic()
-        row = {"what": what, "result": result, "target": target, "met": met, "status": status}
-        self.rows.append({**row, "wall_s": round(now - self.mark, 1), "data": data})
-        self.mark = now
-        self.flush()
-
-    def skip(self, what: str, why: str) -> None:
-        self.add(what, why, status="skipped")
-
-    def fail(self, what: str, error: str, **data: Any) -> None:
-        self.add(what, error, status="failed", **data)
-
-    def flush(self) -> None:
-        tmp = self.result_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"rows": self.rows, "notes": self.notes}, indent=1, default=str))
-        os.replace(tmp, self.result_path)
+from benchmarks.gpu_section_run import GIB, MARGIN_S, SectionRun, first_line, fmt
+from benchmarks.gpu_throughput import section_throughput
 
 
 def run(name: str, result_path: Path, limit_s: float, info: dict, smoke: bool) -> int:
@@ -88,15 +40,6 @@ def run(name: str, result_path: Path, limit_s: float, info: dict, smoke: bool) -
         section.scratch = Path(scratch)
         SECTIONS[name](section)
     return 0
-
-
-def _first_line(text: str) -> str:
-    return (text.strip().splitlines() or [""])[0][:300]
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    """`value` formatted, or '-' (a loss is null when every step of a window was skipped)."""
-    return "-" if value is None else format(value, spec)
 
 
 # ---------------------------------------------------------------- 1. the suite's CUDA tests
@@ -226,7 +169,7 @@ def section_head(run: SectionRun) -> None:
             continue
         result = head.run_case(case, budget)
         if "error" in result:
-            run.fail(what, _first_line(result["error"]))
+            run.fail(what, first_line(result["error"]))
             continue
         _head_row(run, head, case, result, label, torch_ms)
     if run.smoke:
@@ -313,196 +256,6 @@ def _tiles(tiles: dict) -> str:
             f"s{tiles['num_stages']}")  # fmt: skip
 
 
-# ---------------------------------------------------------------- 3. throughput
-
-
-@dataclass(frozen=True)
-class ThroughputPlan:
-    config: str
-    overrides: tuple[str, ...]
-    identities: int
-    per_identity: int
-    image_size: int
-    steps: int
-    warmup: int
-    e2e_steps: int
-
-
-def throughput_plan(run: SectionRun) -> ThroughputPlan:
-    if run.smoke:
-        tiny = ("model.backbone=iresnet18", "model.width=0.125", "model.embedding_size=16",
-                "train.batch_size=8", "data.image_size=32",
-                "data.synthetic.enabled=false")  # fmt: skip
-        return ThroughputPlan("default", tiny, 8, 4, 32, 3, 1, 4)
-    full = ("model.backbone=iresnet50", "train.batch_size=256", "data.image_size=112",
-            "data.channels_last=true", "precision.level=O1", "precision.dtype=bf16")  # fmt: skip
-    return ThroughputPlan("ms1m_arcface", full, 512, 16, 112, 20, 5, 60)
-
-
-def section_throughput(run: SectionRun) -> None:
-    import torch
-
-    from benchmarks import train_throughput
-    from recognition.config import load_config
-    from recognition.data.synthetic import SyntheticSpec, ensure_synthetic_dataset
-
-    plan = throughput_plan(run)
-    device = torch.device("cuda" if run.gpu else "cpu")
-    spec = SyntheticSpec.training_set(plan.identities, plan.per_identity, plan.image_size)
-    folder = ensure_synthetic_dataset(run.scratch / "jpegs", spec) / "train"
-    base = [*plan.overrides, f"train.device={device.type}", "eval.targets=[]", "eval.at_end=false"]
-
-    def config(compiled: bool):
-        return load_config(plan.config, [*base, f"train.compile={str(compiled).lower()}"])
-
-    cfg = config(False)
-    matmul = train_throughput.matmul_tflops(device, train_throughput.matmul_dtype(cfg, device))
-    run.notes["matmul_tflops"] = matmul
-    model = train_throughput.measure_model(cfg, device, plan.identities, plan.steps, plan.warmup)
-    _model_row(run, "model only, eager", model, matmul)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the end-to-end runs are processes of their own
-    # The cheap rows first (seconds of CPU each), then the end-to-end runs, compiling last
-    # (about a minute): a section short of time loses the slowest row, not the cheap ones.
-    if run.time_left() < 15:
-        run.skip("memory plan of the eager step", "no time left in the section")
-    else:
-        _plan_row(run, plan, base, model)
-    _ops_row(run, plan)
-    _augment_row(run, cfg, device, model["images_per_s"])
-    for decode in ("cpu", "gpu"):
-        _end_to_end(run, plan, folder, base, decode, model["images_per_s"], train_throughput)
-    what = "model only, compiled"
-    if run.smoke:
-        run.skip(what, "on a GPU only (inductor takes minutes on a CPU)")
-    elif run.time_left() < 60:
-        run.skip(what, "no time left in the section (compiling takes about a minute)")
-    else:
-        compiled = train_throughput.measure_model(
-            config(True), device, plan.identities, plan.steps, plan.warmup
-        )
-        _model_row(run, what, compiled, matmul)
-
-
-def _ops_row(run: SectionRun, plan: ThroughputPlan) -> None:
-    """The aten operations one eager step of the model-only row dispatches, counted on the
-    CPU (benchmarks/step_ops.py): the host's work per step, which bounds a step whose
-    kernels are shorter than their launches."""
-    from benchmarks import step_ops
-
-    what = "aten operations per step (CPU count)"
-    if run.time_left() < (10 if run.smoke else 30):
-        run.skip(what, "no time left in the section")
-        return
-    # The model-only row's config, at the counting size (the count does not depend on it).
-    cfg = step_ops.gpu_check_config(*plan.overrides, *step_ops.COUNT_SIZE)
-    counted = step_ops.count_step(cfg, plan.identities)
-    phases = ", ".join(f"{k} {v:,}" for k, v in counted["by_phase"].items())
-    target = None if run.smoke else f"<= {step_ops.TARGET}"
-    run.add(what, f"{counted['ops_per_step']:,} ({phases})", target=target,
-            met=None if target is None else counted["ops_per_step"] <= step_ops.TARGET,
-            **counted)  # fmt: skip
-
-
-def _model_row(run: SectionRun, what: str, model: dict, matmul: float) -> None:
-    percent = 100 * model["tflops"] / matmul
-    text = f"{model['images_per_s']:,.0f} images/s, {model['tflops']:.1f} TFLOP/s "
-    text += f"({percent:.0f} % of mm), first steps {model['warmup_s']:.1f} s"
-    if model["gpu_memory_mib"] is not None:
-        text += f", {model['gpu_memory_mib'] / 1024:.1f} GiB"
-    target = None if run.smoke else ">= 5,000 images/s"
-    run.add(what, text, target=target,
-            met=None if target is None else model["images_per_s"] >= 5000,
-            percent_of_matmul=percent, **model)  # fmt: skip
-
-
-def _plan_row(run: SectionRun, plan: ThroughputPlan, base: list[str], model: dict) -> None:
-    """The run planner (`train.py --plan`: fake tensors, no GPU) against the eager step just
-    measured: its planned peak and torch.cuda.max_memory_allocated over the timed steps
-    (the first steps apart: cuDNN's algorithm search and head.kernel=auto's timing). The
-    plan counts what the caching allocator hands out, not cuDNN's workspaces taken
-    through it, so the measurement may exceed it by those."""
-    from recognition.config import load_config
-    from recognition.training.plan import plan_run
-
-    what = "memory plan of the eager step"
-    try:
-        # The torch head: the planner does not plan the Triton kernels (at these 512
-        # classes the two paths' memory differs by the logits, a fraction of a MiB).
-        cfg = load_config(plan.config, [*base, "train.compile=false", "head.kernel=torch"])
-        planned = plan_run(cfg, plan.identities, 1).worst.peak
-    except Exception as exc:  # noqa: BLE001 - a row, and the section goes on
-        run.fail(what, _first_line(f"{type(exc).__name__}: {exc}"))
-        return
-    measured = model.get("steady_memory_mib")
-    if measured is None:
-        run.add(what, f"planned {planned / GIB:.2f} GiB; measured on a GPU only",
-                status="skipped", planned_bytes=planned)  # fmt: skip
-        return
-    ratio = measured * 2**20 / planned
-    text = f"planned {planned / GIB:.2f} GiB, measured {measured / 1024:.2f} GiB, x{ratio:.3f}"
-    target = None if run.smoke else "within 10 %"
-    run.add(what, text, target=target, met=None if target is None else abs(ratio - 1) <= 0.10,
-            planned_bytes=planned, measured_bytes=int(measured * 2**20), ratio=ratio)  # fmt: skip
-
-
-def _end_to_end(run: SectionRun, plan, folder: Path, base: list[str], decode: str,
-                model_rate: float, train_throughput) -> None:  # fmt: skip
-    what = f"end to end, data.decode={decode}"
-    if decode == "gpu" and not run.gpu:
-        run.skip(what, "needs a CUDA device (nvJPEG)")
-        return
-    if run.time_left() < (20 if run.smoke else 45):
-        run.skip(what, "no time left in the section")
-        return
-    workers = 0 if run.smoke else min(8, run.info["cpus"] or 1) if decode == "cpu" else 4
-    overrides = [*base, "train.compile=false", f"data.num_workers={workers}",
-                 f"data.decode={decode}"]  # fmt: skip
-    try:
-        e2e = train_throughput.measure_end_to_end(
-            plan.config, folder, overrides, plan.e2e_steps, run.scratch / f"e2e-{decode}"
-        )
-    except RuntimeError as exc:
-        run.fail(what, _first_line(str(exc).splitlines()[-1] if str(exc) else "failed"))
-        return
-    ratio = e2e["images_per_s"] / model_rate
-    text = (f"{e2e['images_per_s']:,.0f} images/s, x{ratio:.3f} model only, {workers} workers, "
-            f"{e2e['wall_s']:.0f} s")  # fmt: skip
-    target = None if run.smoke else "within 5 % of model only"
-    run.add(what, text, target=target, met=None if target is None else ratio >= 0.95,
-            x_model=ratio, workers=workers, **e2e)  # fmt: skip
-
-
-def _augment_row(run: SectionRun, cfg, device, model_rate: float) -> None:
-    """data.augment=face as data.decode=gpu applies it (`augment_batch`) to a batch of the
-    run's size and input size on the device: images/s and the share of a model-only step it
-    adds. The draws (the loader's workers' work) are not timed; the median of 5 after 2."""
-    import torch
-
-    from recognition.config import AugmentConfig
-    from recognition.data.augment import draw_augment
-    from recognition.data.augment_batch import augment_batch
-
-    what = "augment on the device, data.augment=face"
-    batch, size = cfg.train.batch_size, cfg.data.image_hw
-    augment = AugmentConfig(preset="face")
-    images = torch.rand(batch, 3, *size, device=device)
-    seconds = []
-    for rep in range(7):
-        params = [draw_augment(augment, rep * batch + i, size) for i in range(batch)]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        augment_batch(images, params)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    rate = batch / statistics.median(seconds[2:])
-    share = model_rate / rate  # the step's time, as a fraction of the model's
-    text = f"{rate:,.0f} images/s, +{100 * share:.1f} % of a model-only step (batch {batch})"
-    run.add(what, text, images_per_s=rate, share_of_model_step=share, batch=batch)
-
-
 # ---------------------------------------------------------------- 4. two GPUs
 
 
@@ -519,10 +272,10 @@ def section_multi_gpu(run: SectionRun) -> None:
         try:
             result = run_one(2, "default", 100, 20, common + extra, run.scratch / f"run{index}")
         except RuntimeError as exc:
-            run.fail(what, _first_line(str(exc).splitlines()[-1] if str(exc) else "failed"))
+            run.fail(what, first_line(str(exc).splitlines()[-1] if str(exc) else "failed"))
             continue
         text = (f"{result['samples_per_sec_median']:,.0f} samples/s, loss "
-                f"{_fmt(result['final_loss'], '.3f')} at step {result['steps']}, peak "
+                f"{fmt(result['final_loss'], '.3f')} at step {result['steps']}, peak "
                 f"{result['peak_memory_mb_max']:,.0f} / {result['peak_memory_mb_min']:,.0f} MiB "
                 f"per rank, {result['wall_s']:.0f} s")  # fmt: skip
         run.add(what, text, **result)
@@ -569,7 +322,7 @@ def section_training(run: SectionRun) -> None:
     train_log = (out / "train.log").read_text(errors="replace")
     exit_s = exit_after_last_line(train_log, wall)
     text = (f"{name} accuracy {100 * accuracy:.2f} % (AUC {result['auc']:.4f}), loss "
-            f"{_fmt(steps[-1]['loss'], '.3f')} after {steps[-1]['step']} steps, "
+            f"{fmt(steps[-1]['loss'], '.3f')} after {steps[-1]['step']} steps, "
             f"{statistics.median(rates):,.0f} samples/s, {wall:.0f} s")  # fmt: skip
     text += "" if exit_s is None else f" (exit {exit_s:.1f} s after its last line)"
     target = None if run.smoke else ">= 95 % (the CPU run at 48 px: 96.6 %)"

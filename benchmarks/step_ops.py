@@ -40,7 +40,7 @@ from benchmarks.train_throughput import model_parts  # noqa: E402
 from recognition.config import ExperimentConfig, load_config  # noqa: E402
 from recognition.training import train_step  # noqa: E402
 
-# The GPU check's throughput step (benchmarks/gpu_sections.throughput_plan), at a size a
+# The GPU check's throughput step (benchmarks/gpu_throughput.throughput_plan), at a size a
 # CPU counts in seconds.
 GPU_CHECK_STEP = ("model.backbone=iresnet50", "precision.level=O1", "precision.dtype=bf16")
 COUNT_SIZE = ("train.batch_size=4", "data.image_size=32")

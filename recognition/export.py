@@ -10,9 +10,10 @@ the mirrored image's embedding if wanted, in the application). The batch dimensi
 dynamic. Needs the ``onnx`` and ``onnxscript`` packages (torch's exporter); with
 ``onnxruntime`` installed the export is checked against PyTorch on a random batch.
 
-``--arcface-torch`` (IResNet backbones only) writes the plain fp32 state dict that
-arcface_torch's ``get_model("r50", num_features=D).load_state_dict`` takes (r18 ... r200 by
-the depth): the two IResNet layouts are the same. arcface_torch builds width-1 models for
+``--arcface-torch`` (IResNet, MobileFaceNet and ViT backbones) writes the plain fp32 state
+dict that arcface_torch's ``get_model(name, num_features=D).load_state_dict`` takes: r18 ...
+r200 by the depth, mbf, mbf_large, vit_t, vit_s, vit_b, vit_h, and for vit_l its
+"vit_l_dp005_mask_005" (the layouts are the same). arcface_torch builds width-1 models for
 112x112 faces only; a narrower or other-sized model is written too (with a warning), and
 loads here (``evaluate.py --checkpoint``, ``train.init_backbone``) but not into get_model.
 """
@@ -108,21 +109,48 @@ def check_onnx(
     return float(np.abs(onnx_out - torch_out).max())
 
 
+def arcface_torch_name(backbone: nn.Module) -> tuple[str, bool]:
+    """The name arcface_torch's ``get_model`` builds ``backbone`` under ("r50", "mbf",
+    "vit_b", ...) and whether it builds this one: at width 1 for 112x112 inputs only."""
+    from recognition.models import (
+        IRESNET_LAYERS,
+        MBF_LAYOUTS,
+        VIT_SIZES,
+        MobileFaceNet,
+        VisionTransformer,
+    )
+    from recognition.models.iresnet import STEM_CHANNELS
+
+    if isinstance(backbone, MobileFaceNet):
+        name = next(n for n, layout in MBF_LAYOUTS.items() if layout == backbone.layout)
+        published = backbone.width == 1.0
+    elif isinstance(backbone, VisionTransformer):
+        name = next(n for n, size in VIT_SIZES.items() if size == backbone.size)
+        published = backbone.width == 1.0
+        # get_model's vit_l is its WebFace42M entry.
+        name = "vit_l_dp005_mask_005" if name == "vit_l" else name
+    else:
+        layers = tuple(len(getattr(backbone, f"layer{i}")) for i in range(1, 5))
+        # get_model calls iresnet50 "r50".
+        name = next(
+            f"r{n.removeprefix('iresnet')}" for n, v in IRESNET_LAYERS.items() if v == layers
+        )
+        published = backbone.get_submodule("conv1").out_channels == STEM_CHANNELS
+    return name, published and tuple(backbone.image_size) == (112, 112)
+
+
 def export_arcface_torch(backbone: nn.Module, path: Path) -> None:
-    """Write the IResNet ``backbone``'s fp32 state dict to ``path`` (atomically), as
-    arcface_torch's ``get_model(name).load_state_dict`` takes it; warn when its width or
-    input size is one arcface_torch does not build. Raises ValueError for another backbone."""
+    """Write ``backbone``'s fp32 state dict (an IResNet, a MobileFaceNet or a ViT) to
+    ``path`` (atomically), as arcface_torch's ``get_model(name).load_state_dict`` takes it;
+    warn when its width or input size is one arcface_torch does not build. Raises
+    ValueError for another backbone."""
     from recognition.checkpoint import atomic_save
     from recognition.checkpoint.foreign import arcface_torch_state
-    from recognition.models.iresnet import IRESNET_LAYERS, STEM_CHANNELS
 
     state = arcface_torch_state(backbone)
     atomic_save(state, path)
-    layers = tuple(len(getattr(backbone, f"layer{i}")) for i in range(1, 5))
-    # get_model calls iresnet50 "r50".
-    name = next(f"r{n.removeprefix('iresnet')}" for n, v in IRESNET_LAYERS.items() if v == layers)
-    stem = state["conv1.weight"].shape[0]
-    if stem == STEM_CHANNELS and backbone.image_size == (112, 112):
+    name, loads = arcface_torch_name(backbone)
+    if loads:
         log.info(
             "wrote %s: get_model(%r, num_features=%d) loads it",
             path,
@@ -132,13 +160,13 @@ def export_arcface_torch(backbone: nn.Module, path: Path) -> None:
         return
     height, width = backbone.image_size
     log.warning(
-        "wrote %s: a model of %d stem channels for %dx%d inputs; arcface_torch builds %d for "
-        "112x112 only, so its get_model will not take this file (this project reads it)",
+        "wrote %s: a %s narrower than published or for %dx%d inputs; arcface_torch builds "
+        "its models at width 1 for 112x112 only, so its get_model will not take this file "
+        "(this project reads it)",
         path,
-        stem,
+        name,
         height,
         width,
-        STEM_CHANNELS,
     )
 
 
@@ -155,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         "--arcface-torch",
         type=Path,
         metavar="OUT.pth",
-        help="write the IResNet's state dict as arcface_torch saves and loads it",
+        help="write the backbone's state dict as arcface_torch saves and loads it",
     )
     parser.add_argument(
         "--image-size",

@@ -1,8 +1,9 @@
 """The run's inputs checked before any work (no data generated, no folder indexed, no model
 built, not even torch imported): `data.root`, every evaluation target's files,
-`output_dir`, a `train.resume` path and `train.init_backbone`. Every problem is one line, and
-all are reported at once; `train.py` calls `input_problems` first thing (and tells `train()`
-so); `train()` itself calls it (`check_inputs`) for callers that skip `train.py`.
+`output_dir`, a `train.resume` path, `train.init_backbone` and `train.teacher`. Every
+problem is one line, and all are reported at once; `train.py` calls `input_problems` first
+thing (and tells `train()` so); `train()` itself calls it (`check_inputs`) for callers that
+skip `train.py`.
 
 Only what files and folders can tell is checked here; what needs the data read (an index,
 a checkpoint's contents) is checked where it is read, as early as it can be.
@@ -53,6 +54,12 @@ def input_problems(cfg: ExperimentConfig) -> list[str]:
         problems.append(
             f"train.init_backbone: {init} does not exist (a backbone file or a training "
             "checkpoint directory)"
+        )
+    teacher = cfg.train.teacher
+    if teacher is not None and not Path(teacher).exists():
+        problems.append(
+            f"train.teacher: {teacher} does not exist (a backbone file, a training checkpoint "
+            "directory or an .onnx model)"
         )
     return problems
 

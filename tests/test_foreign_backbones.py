@@ -162,7 +162,7 @@ def test_whole_pickled_module_and_other_content_are_refused(tmp_path, capsys):
     expected = {
         "whole.pth": "torch.save(model.state_dict()",
         "other.pth": "entry 'epoch' is a int, not a tensor",
-        "stem.pth": "neither layer1.0.prelu.weight nor layer1.0.conv3.weight",
+        "stem.pth": "none of layer1.0.prelu.weight, conv_sep.layers.0.weight, patch_embed",
     }
     for name, named in expected.items():
         argv = ["--checkpoint", str(tmp_path / name), "--bin", str(tmp_path / "x.bin")]
@@ -237,5 +237,8 @@ def test_arcface_torch_export_round_trip(tmp_path, torchvision_file, capsys):
     argv = ["--checkpoint", str(torchvision_file), "--arcface-torch", str(refused)]
     assert export_main(argv) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "arcface_torch's models are IResNets" in err
+    assert (
+        err.count("\n") == 1
+        and "arcface_torch's models are IResNets, MobileFaceNets and ViTs" in err
+    )
     assert not refused.exists()

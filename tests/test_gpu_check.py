@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import REPO, child_env
 
-from benchmarks import common, gpu_check, gpu_sections
+from benchmarks import common, gpu_check, gpu_sections, gpu_throughput
 
 # ---- running a section --------------------------------------------------------------------
 
@@ -324,6 +324,7 @@ def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
     assert list(throughput) == [
         "model only, eager", "memory plan of the eager step",
         "aten operations per step (CPU count)", "augment on the device, data.augment=face",
+        "model only, eager, mbf", "model only, eager, vit_b",
         "end to end, data.decode=cpu", "end to end, data.decode=gpu", "model only, compiled",
     ]  # fmt: skip
     ops = throughput["aten operations per step (CPU count)"]
@@ -374,13 +375,13 @@ def test_smoke_compares_its_rows_with_the_last_report(smoke):
     assert "[vs last] 1 regressions against last.json (commit 0123abc)" in done.stderr
 
 
-def planned_run(tmp_path: Path) -> tuple[gpu_sections.SectionRun, gpu_sections.ThroughputPlan]:
+def planned_run(tmp_path: Path) -> tuple[gpu_sections.SectionRun, gpu_throughput.ThroughputPlan]:
     """A section run on a (stated) GPU machine, and the smoke's tiny throughput config."""
     info = {"gpus": 1, "device": "GPU", "cpus": 2, "memory_bytes": 80 * 2**30}
     run = gpu_sections.SectionRun("throughput", False, info, time.monotonic() + 60,
                                   tmp_path / "rows.json")  # fmt: skip
     smoke = gpu_sections.SectionRun("throughput", True, {"gpus": 0}, 0.0, tmp_path / "x.json")
-    return run, gpu_sections.throughput_plan(smoke)
+    return run, gpu_throughput.throughput_plan(smoke)
 
 
 @pytest.mark.parametrize("measured_over_planned, met", [(1.04, True), (0.93, True), (1.15, False)])
@@ -395,7 +396,7 @@ def test_the_memory_plan_row_holds_the_measured_peak_to_10_percent(
     cfg = load_config(plan.config, [*base, "train.compile=false", "head.kernel=torch"])
     planned = plan_run(cfg, plan.identities, 1).worst.peak
     measured_mib = measured_over_planned * planned / 2**20
-    gpu_sections._plan_row(run, plan, base, {"steady_memory_mib": measured_mib})
+    gpu_throughput._plan_row(run, plan, base, {"steady_memory_mib": measured_mib})
     [row] = run.rows
     assert row["what"] == "memory plan of the eager step" and row["status"] == "ok"
     assert row["target"] == "within 10 %" and row["met"] is met
@@ -406,7 +407,7 @@ def test_the_memory_plan_row_holds_the_measured_peak_to_10_percent(
 
 def test_a_plan_that_fails_is_a_failed_row_and_the_section_goes_on(tmp_path):
     run, plan = planned_run(tmp_path)
-    gpu_sections._plan_row(run, plan, ["model.backbone=no_such_net"], {"steady_memory_mib": 1})
+    gpu_throughput._plan_row(run, plan, ["model.backbone=no_such_net"], {"steady_memory_mib": 1})
     [row] = run.rows
     assert row["status"] == "failed" and "no_such_net" in row["result"], row
 
@@ -459,7 +460,7 @@ def smoke_throughput(tmp_path: Path, device: str = "cpu"):
     run = gpu_sections.SectionRun("throughput", True, {"gpus": 0, "cpus": 2},
                                   time.monotonic() + 600, tmp_path / "rows.json",
                                   scratch=tmp_path)  # fmt: skip
-    plan = gpu_sections.throughput_plan(run)
+    plan = gpu_throughput.throughput_plan(run)
     base = [*plan.overrides, f"train.device={device}", "eval.targets=[]", "eval.at_end=false"]
     return run, plan, base, load_config(plan.config, [*base, "train.compile=false"])
 
@@ -521,7 +522,7 @@ def test_throughput_rows_follow_the_step_times(monkeypatch, tmp_path):
     monkeypatch.setattr(train_throughput, "time", SimpleNamespace(perf_counter=clock))
     monkeypatch.setattr(train_throughput, "matmul_tflops", lambda device, dtype: 0.05)
     monkeypatch.setattr(train_throughput, "measure_end_to_end", end_to_end)
-    gpu_sections.section_throughput(run)
+    gpu_throughput.section_throughput(run)
     assert clock.durations == []  # every step was timed
     rows = {row["what"]: row for row in run.rows}
     model = rows["model only, eager"]["data"]
@@ -702,7 +703,7 @@ def test_the_memory_plan_row_against_a_real_step(tmp_path):
 
     run, _ = planned_run(tmp_path)
     base = [*plan.overrides, "train.device=cuda", "eval.targets=[]", "eval.at_end=false"]
-    gpu_sections._plan_row(run, plan, base, {"steady_memory_mib": measured / 2**20})
+    gpu_throughput._plan_row(run, plan, base, {"steady_memory_mib": measured / 2**20})
     [row] = run.rows
     data = row["data"]
     assert data["measured_bytes"] == pytest.approx(measured, abs=1)

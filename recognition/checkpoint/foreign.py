@@ -1,11 +1,14 @@
 """Backbone state dicts written by other tools, told by what they hold, not by their name.
 
-Two kinds are read (each into the project's model config dict, input size and fp32 state
+These kinds are read (each into the project's model config dict, input size and fp32 state
 dict, as every backbone file reader returns):
 - an IResNet as arcface_torch saves it (`model.pt`, or the published `backbone.pth`): a
   plain state dict whose keys are exactly those of `recognition.models.IResNet`. The depth
   comes from the blocks per stage, the width from the stem's channels, the embedding size
   from `fc`, the input size from the fc's inputs (7 x 7 x 512 -> 112 x 112 faces);
+- a MobileFaceNet or a ViT as arcface_torch saves them (`mbf`, `mbf_large`, `vit_t` ...
+  `vit_h`; `recognition.checkpoint.foreign_layouts`): the name from the blocks (MobileFaceNet)
+  or the width and depth (ViT), the input size from GDC's kernel or the number of tokens;
 - a torchvision ResNet-50 (its ImageNet weights as torchvision saves them), the trunk of
   the re-id `resnet50_reid`: its keys go under `base.`, its ImageNet `fc` is dropped, and the
   model config dict says `"trunk_only": True`: the BN neck (and the optional fc) start fresh.
@@ -26,8 +29,21 @@ import torch
 from torch import nn
 
 from recognition.checkpoint.files import fp32_cpu_state
+from recognition.checkpoint.foreign_layouts import (
+    MBF_MARK,
+    VIT_MARK,
+    mobilefacenet_file,
+    vit_file,
+)
 from recognition.config import ModelConfig
-from recognition.models import IRESNET_LAYERS, IResNet, iresnet, resnet50_reid
+from recognition.models import (
+    IRESNET_LAYERS,
+    IResNet,
+    MobileFaceNet,
+    VisionTransformer,
+    iresnet,
+    resnet50_reid,
+)
 from recognition.models.iresnet import STAGE_CHANNELS, STEM_CHANNELS, scaled_channels
 from recognition.models.resnet import (
     REID_IMAGE_SIZE,
@@ -39,8 +55,8 @@ from recognition.models.resnet import (
 # (model config dict, input image size: a side or (H, W), state dict); as backbone_files.
 BackboneFile = tuple[dict[str, Any], int | tuple[int, int], dict[str, torch.Tensor]]
 
-# Keys that only one of the two layouts has: IResNet's blocks hold a PReLU, torchvision's
-# ResNet-50 bottlenecks a third convolution.
+# Keys that only one of the layouts has: IResNet's blocks hold a PReLU, torchvision's
+# ResNet-50 bottlenecks a third convolution (MobileFaceNet's and the ViT's: foreign_layouts).
 IRESNET_MARK = "layer1.0.prelu.weight"
 RESNET50_MARK = "layer1.0.conv3.weight"
 # nn.DataParallel's prefix, which a state dict saved without `.module` carries on every key.
@@ -73,21 +89,25 @@ def read_foreign(path: Path, data: Any) -> BackboneFile:
         return _torchvision_resnet50(path, state)
     if IRESNET_MARK in state:
         return _arcface_iresnet(path, state)
+    if MBF_MARK in state or VIT_MARK in state:
+        read = mobilefacenet_file if MBF_MARK in state else vit_file
+        model_cfg, size, expected, what = read(path, state)
+        return model_cfg, size, fitted(path, state, expected, what)
     raise ValueError(
-        f"checkpoint {path}: not a backbone export, an IResNet (arcface_torch) or a ResNet-50 "
-        f"(torchvision) state dict: it has neither {IRESNET_MARK} nor {RESNET50_MARK} (its "
-        f"first key: {next(iter(state))})"
+        f"checkpoint {path}: not a backbone export, an arcface_torch (IResNet, MobileFaceNet, "
+        f"ViT) or a torchvision ResNet-50 state dict: it has none of {IRESNET_MARK}, "
+        f"{MBF_MARK}, {VIT_MARK}, {RESNET50_MARK} (its first key: {next(iter(state))})"
     )
 
 
 def arcface_torch_state(backbone: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict of an IResNet `backbone` as arcface_torch's `get_model(name)` loads it:
-    the same keys (the layouts are the same), every tensor on the CPU, floats in fp32.
-    Raises ValueError for any other backbone."""
-    if not isinstance(backbone, IResNet):
+    """The state dict of `backbone` (an IResNet, a MobileFaceNet or a ViT) as arcface_torch's
+    `get_model(name)` loads it: the same keys (the layouts are the same), every tensor on the
+    CPU, floats in fp32. Raises ValueError for any other backbone."""
+    if not isinstance(backbone, IResNet | MobileFaceNet | VisionTransformer):
         raise ValueError(
-            f"--arcface-torch: arcface_torch's models are IResNets; this checkpoint's backbone "
-            f"is a {type(backbone).__name__}"
+            f"--arcface-torch: arcface_torch's models are IResNets, MobileFaceNets and ViTs; "
+            f"this checkpoint's backbone is a {type(backbone).__name__}"
         )
     return fp32_cpu_state(backbone)
 
@@ -118,7 +138,7 @@ def _arcface_iresnet(path: Path, state: dict[str, torch.Tensor]) -> BackboneFile
     with torch.device("meta"):
         expected = iresnet(name, embedding_size=embedding_size, width=width, image_size=side)
     what = f"{name}, width {width:g}, {side}x{side} inputs, embedding {embedding_size}"
-    return model_cfg, side, _fitted(path, state, expected.state_dict(), f"an IResNet ({what})")
+    return model_cfg, side, fitted(path, state, expected.state_dict(), f"an IResNet ({what})")
 
 
 def _iresnet_depth(path: Path, state: dict[str, torch.Tensor]) -> str:
@@ -150,11 +170,11 @@ def _torchvision_resnet50(path: Path, state: dict[str, torch.Tensor]) -> Backbon
         for k, v in model.state_dict().items()
         if k.startswith(TRUNK_PREFIX)
     }
-    trunk = _fitted(path, torchvision_trunk(state), expected, "a torchvision ResNet-50")
+    trunk = fitted(path, torchvision_trunk(state), expected, "a torchvision ResNet-50")
     return model_cfg, REID_IMAGE_SIZE, {TRUNK_PREFIX + k: v for k, v in trunk.items()}
 
 
-def _fitted(
+def fitted(
     path: Path, state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str
 ) -> dict[str, torch.Tensor]:
     """`state` in `expected`'s key order, floats in fp32, when it has exactly `expected`'s

@@ -51,6 +51,12 @@ class ExperimentConfig:
                 "head.triplet_weight: batch-hard mining needs positives in every batch; set "
                 "data.sampler=pk (P identities x data.pk_instances images)"
             )
+        if self.head.triplet_weight > 0 and self.train.teacher is not None:
+            raise ConfigError(
+                "train.teacher: distillation with head.triplet_weight > 0 is not supported "
+                "(the triplet loss takes the features before the BN neck, the distillation "
+                "the projected embeddings); set one of them off"
+            )
         if self.data.decode == "gpu" and self.train.device == "cpu":
             raise ConfigError(
                 "data.decode: gpu decodes on a CUDA device, but train.device=cpu trains on the "
@@ -151,13 +157,15 @@ def check_finetune(cfg: ExperimentConfig) -> None:
                 ("head.init=centroids", cfg.head.init == "centroids"),
                 ("model.freeze_bn=true", cfg.model.freeze_bn),
                 ("train.head_only_steps", cfg.train.head_only_steps > 0),
+                ("train.teacher", cfg.train.teacher is not None),
             )
             if on
         ]
         if used:
             raise ConfigError(
                 f"model.pipeline_stages={cfg.model.pipeline_stages} cannot be combined with "
-                f"{', '.join(used)} (fine-tuning runs the whole backbone on every rank)"
+                f"{', '.join(used)} (fine-tuning and distillation run the whole backbone on "
+                "every rank)"
             )
 
 

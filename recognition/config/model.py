@@ -7,14 +7,19 @@ from typing import Literal
 
 from recognition.config.values import ConfigError
 
+# The ViTs (model.backbone=vit_*) are not cut into pipeline stages: which tokens a training
+# step leaves out is drawn before the first block and needed after the last.
+UNCUT_BACKBONE_PREFIX = "vit_"
+
 
 @dataclass
 class ModelConfig:
     """The `model` section: the backbone, its embedding and its optional pipeline stages."""
 
     backbone: str = "iresnet50"
-    """An IResNet for faces (iresnet18, 34, 50, 100, 200; insightface's layout) or
-    resnet50_reid (torchvision's ResNet-50 for person re-id)."""
+    """A face backbone in arcface_torch's layout: IResNet (iresnet18, 34, 50, 100, 200),
+    MobileFaceNet (mbf, mbf_large) or ViT (vit_t, vit_s, vit_b, vit_l, vit_h); or
+    resnet50_reid (torchvision's ResNet-50 for person re-id). docs/backbones.md."""
     embedding_size: int = 512
     """Dimension of the embedding (the features the head and the evaluation see)."""
     width: float = 1.0
@@ -53,6 +58,12 @@ class ModelConfig:
             raise ConfigError("model.embedding_size: must be at least 1")
         if self.pipeline_stages < 1:
             raise ConfigError("model.pipeline_stages: must be at least 1")
+        if self.pipeline_stages > 1 and self.backbone.startswith(UNCUT_BACKBONE_PREFIX):
+            raise ConfigError(
+                f"model.pipeline_stages={self.pipeline_stages}: a ViT ({self.backbone}) is not "
+                "cut into stages (the tokens a step masks are drawn before its first block and "
+                "restored after its last); train it with model.pipeline_stages=1"
+            )
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ConfigError("model.micro_batch_size: must be at least 1 (or null)")
         if self.pipeline_split is not None and len(self.pipeline_split) != self.pipeline_stages - 1:

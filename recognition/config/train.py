@@ -35,6 +35,22 @@ class TrainConfig:
     fresh). Loaded before step 1 of a fresh run, strictly (every key and shape must fit
     model.* and data.image_size); a resumed run takes its weights from its checkpoint
     instead. null: the backbone starts from random weights."""
+    teacher: str | None = None
+    """A backbone file to distil from (docs/distillation.md): anything train.init_backbone
+    takes (a backbone export, a training checkpoint directory, an arcface_torch state dict)
+    or an .onnx model. Its embeddings are the targets of a second loss on the student's
+    (feature distillation: 1 - cosine, through a learned projection when the embedding
+    sizes differ); it never trains. It takes its own input size (the images are decoded or
+    resized to it). null: no teacher."""
+    distill_weight: float = 10.0
+    """Weight of the distillation loss (1 - cosine, between 0 and 2) added to the margin
+    loss, with train.teacher."""
+    teacher_cache: bool = True
+    """With train.teacher: compute the teacher's embedding of every training image once,
+    before step 1, into the run directory (teacher/), when the teacher's input does not
+    depend on a random draw (data.augment none, or the flip alone: both orientations are
+    stored); a resumed run reuses them. false, or another augmentation: run the teacher
+    alongside the student at every step."""
     head_only_steps: int = 0
     """Train the head alone for this many optimizer steps (the backbone runs in eval mode
     without gradients, its weights and statistics unchanged), then everything; counted
@@ -110,6 +126,10 @@ class TrainConfig:
             )
         if self.init_backbone is not None and not self.init_backbone:
             raise ConfigError("train.init_backbone: empty path (use a file, a directory or null)")
+        if self.teacher is not None and not self.teacher:
+            raise ConfigError("train.teacher: empty path (use a file, a directory or null)")
+        if not self.distill_weight >= 0:
+            raise ConfigError(f"train.distill_weight: must be 0 or more, got {self.distill_weight}")
         if isinstance(self.resume, str) and not self.resume:
             raise ConfigError("train.resume: empty path (use true, false, auto or a path)")
         for name in self.stop_signals:

@@ -39,6 +39,7 @@ from recognition.data.recordio import RecordIODataset
 from recognition.data.reid_sets import reid_train_set
 from recognition.data.sampler import AugmentedView, IdentityBalancedSampler, ResumableSampler
 from recognition.data.source import TrainSource
+from recognition.data.teacher_table import TeacherTable
 from recognition.data.workers import exit_with_parent
 
 log = logging.getLogger(__name__)
@@ -180,9 +181,12 @@ def build_loader(
     device: torch.device,
     memory_format: torch.memory_format = torch.preserve_format,
     generator: torch.Generator | None = None,
-) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    targets: TeacherTable | None = None,
+) -> Iterable[tuple[torch.Tensor, ...]]:
     """The training batches of `source` in the order of `batch_sampler` (batches of
-    `(index, sample_seed)` keys), as ((B, 3, H, W) images, (B,) labels).
+    `(index, sample_seed)` keys), as ((B, 3, H, W) images, (B,) labels); with `targets` (a
+    distilled run's `TeacherTable`), also the teacher's embeddings (B, D) of the views
+    the samples took.
 
     decode=cpu: a DataLoader whose workers decode and augment (`AugmentedView`); the batches
     are on the host. decode=gpu: the workers read bytes (`EncodedView`) and the batches come
@@ -191,7 +195,7 @@ def build_loader(
     options = loader_options(data_cfg, device)
     if decode == "cpu":
         return DataLoader(
-            AugmentedView(source, data_cfg.augment),
+            AugmentedView(source, data_cfg.augment, targets=targets),
             batch_sampler=batch_sampler,
             generator=generator,
             **options,
@@ -206,5 +210,10 @@ def build_loader(
     if memory_format == torch.preserve_format:
         memory_format = torch.contiguous_format
     return DeviceBatches(
-        loader, source, device=device, image_size=data_cfg.image_hw, memory_format=memory_format
+        loader,
+        source,
+        device=device,
+        image_size=data_cfg.image_hw,
+        memory_format=memory_format,
+        targets=targets,
     )

@@ -49,6 +49,7 @@ from recognition.config import AugmentConfig
 from recognition.data.augment import SampleAugment, draw_augment
 from recognition.data.augment_batch import augment_batch
 from recognition.data.source import TrainSource
+from recognition.data.teacher_table import TeacherTable
 from recognition.data.transforms import decode_rgb, normalise, resize
 
 # Start-of-frame markers nvJPEG decodes: baseline, extended and progressive Huffman. The
@@ -287,7 +288,8 @@ def _resize_and_stack(images: list[torch.Tensor], size: tuple[int, int]) -> torc
 class DeviceBatches:
     """Iterating gives the batches of `loader` (a DataLoader of `EncodedView` with
     `collate_encoded`) decoded by `decode_batch` on `device`: (images, labels) there, as
-    the training loop takes them from any loader."""
+    the training loop takes them from any loader; with `targets` (a distilled run's
+    `TeacherTable`), (images, labels, the teacher's embeddings of the samples as flipped)."""
 
     def __init__(
         self,
@@ -297,22 +299,29 @@ class DeviceBatches:
         device: torch.device,
         image_size: tuple[int, int],
         memory_format: torch.memory_format = torch.contiguous_format,
+        targets: TeacherTable | None = None,
     ) -> None:
         self.loader = loader
         self.source = source
         self.device = device
         self.image_size = image_size
         self.memory_format = memory_format
+        self.targets = targets
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         for batch in self.loader:
-            yield decode_batch(
+            decoded = decode_batch(
                 batch,
                 self.source,
                 device=self.device,
                 image_size=self.image_size,
                 memory_format=self.memory_format,
             )
+            if self.targets is None:
+                yield decoded
+            else:
+                rows = self.targets.lookup_batch(batch.indices, batch.flips)
+                yield (*decoded, rows.to(self.device, non_blocking=True))
 
 
 def nvjpeg_problem(device: torch.device) -> str | None:

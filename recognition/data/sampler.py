@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,30 +79,39 @@ class AugmentedView(Dataset):
 
     Indexed with the `(index, sample_seed)` pairs of `ResumableSampler`. With nothing but
     the flip on (the default) the image is only mirrored, as it always was: no conversion.
+    With `targets` (a distilled run's table of the teacher's embeddings,
+    `recognition.data.teacher_table`, kept only when the augmentation is flips alone), each
+    sample also brings the teacher's embedding of the view it took: (image, label, (D,)
+    float16).
     """
 
-    def __init__(self, base: Dataset, augment: AugmentConfig):
+    def __init__(self, base: Dataset, augment: AugmentConfig, *, targets: Any = None):
         self.base = base
         self.augment = augment
+        self.targets = targets
 
     def __len__(self) -> int:
         return len(self.base)  # type: ignore[arg-type]
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
         index, seed = key
         image, label = self.base[index]
+        flipped = False
         if self.augment.only_flips:
-            if self.augment.flip > 0 and draw_flip(seed, self.augment.flip):
-                image = image.flip(-1)
-            return image, label
-        params = draw_augment(self.augment, seed, tuple(image.shape[-2:]))
-        if params.beyond_flip:
-            pixels = apply_augment(image.mul(0.5).add_(0.5), params)  # [-1, 1] -> [0, 1]
-            # Not in place: grey-scale may leave a view whose three channels share memory.
-            image = (pixels - 0.5) / 0.5
-        elif params.flip:
+            flipped = self.augment.flip > 0 and draw_flip(seed, self.augment.flip)
+        else:
+            params = draw_augment(self.augment, seed, tuple(image.shape[-2:]))
+            if params.beyond_flip:
+                pixels = apply_augment(image.mul(0.5).add_(0.5), params)  # [-1, 1] -> [0, 1]
+                # Not in place: grey-scale may leave a view whose three channels share memory.
+                image = (pixels - 0.5) / 0.5
+            else:
+                flipped = params.flip
+        if flipped:
             image = image.flip(-1)
-        return image, label
+        if self.targets is None:
+            return image, label
+        return image, label, self.targets.lookup(index, flipped)
 
 
 class IdentityBalancedSampler(Sampler[tuple[int, int]]):

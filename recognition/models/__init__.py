@@ -1,7 +1,9 @@
 """Backbones: images in, embeddings (B, embedding_size) out.
 
 `BACKBONES` maps the config's `model.backbone` name to a constructor that takes the
-keyword-only arguments `embedding_size`, `width`, `dropout` and `image_size`.
+keyword-only arguments `embedding_size`, `width`, `dropout` and `image_size`: IResNet 18-200,
+MobileFaceNet (mbf, mbf_large) and the ViTs (vit_t ... vit_h) in arcface_torch's layouts,
+and torchvision's ResNet-50 for re-id.
 """
 
 from __future__ import annotations
@@ -22,10 +24,14 @@ from recognition.models.iresnet import (
     iresnet100,
     iresnet200,
 )
+from recognition.models.mobilefacenet import MBF_LAYOUTS, MobileFaceNet, mobilefacenet
 from recognition.models.resnet import ReIDResNet50, resnet50_reid
+from recognition.models.vit import VIT_SIZES, VisionTransformer, vit
 
 BACKBONES: dict[str, Callable[..., nn.Module]] = {
     **{name: partial(iresnet, name) for name in IRESNET_LAYERS},
+    **{name: partial(mobilefacenet, name) for name in MBF_LAYOUTS},
+    **{name: partial(vit, name) for name in VIT_SIZES},
     "resnet50_reid": resnet50_reid,
 }
 
@@ -67,7 +73,11 @@ __all__ = [
     "BACKBONES",
     "IRESNET_LAYERS",
     "IResNet",
+    "MBF_LAYOUTS",
+    "MobileFaceNet",
     "ReIDResNet50",
+    "VIT_SIZES",
+    "VisionTransformer",
     "backbone_from_config",
     "build_backbone",
     "iresnet",
@@ -76,6 +86,8 @@ __all__ = [
     "iresnet50",
     "iresnet100",
     "iresnet200",
+    "mobilefacenet",
     "resnet50_reid",
     "use_neck_features",
+    "vit",
 ]

@@ -1,7 +1,7 @@
 """Backbones as chains of units: the places where a pipeline may cut them.
 
-Every backbone of `BACKBONES` is a `UnitChain`: a fixed sequence of units (the stem, each
-residual block, the embedding layer), each a function of the previous unit's output only,
+Every backbone of `BACKBONES` but the ViTs is a `UnitChain`: a fixed sequence of units (the
+stem, each residual block, the embedding layer), each a function of the previous unit's output only,
 whose composition is the backbone's forward. `keep_units(first, stop)` turns a backbone
 into one pipeline stage in place: the modules of the other units are removed, the kept ones
 stay where they were, so a stage's parameters and buffers have exactly the names they have

@@ -40,6 +40,8 @@ class StepResult:
         None when the caller knows no loss.
     accuracy: share of the global batch whose target logit was the largest (mean over
         micro-batches); None when the head reports none.
+    distill_loss: a distilled run's distillation loss (unweighted, the mean over the global
+        batch and the micro-batches); None otherwise.
     """
 
     stepped: Tensor
@@ -48,6 +50,7 @@ class StepResult:
     loss: Tensor | None = None
     finite: Tensor | None = None
     accuracy: Tensor | None = None
+    distill_loss: Tensor | None = None
 
 
 class MaskedUpdate:

@@ -20,12 +20,10 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, Sampler
 
 from recognition import distributed
 from recognition.config import (
-    ConfigError,
     EvalTarget,
     ExperimentConfig,
     config_to_dict,
@@ -41,12 +39,12 @@ from recognition.data.build import (
 from recognition.data.sampler import EpochBatches
 from recognition.data.source import TrainSource
 from recognition.data.synthetic import ensure_synthetic_dataset
+from recognition.data.teacher_table import TeacherTable
 from recognition.distributed import DistInfo
 from recognition.evaluation.run import check_training_targets, run_targets
 from recognition.heads import ShardedMarginSoftmax, build_head
 from recognition.heads.triplet import TrainingLoss
 from recognition.models import backbone_from_config, use_neck_features
-from recognition.models.cpu_layout import channels_last_refusal
 from recognition.models.freeze import freeze_batch_norm
 from recognition.optim import (
     OptimizerState,
@@ -67,6 +65,8 @@ from recognition.pipeline import (
     stage_io,
 )
 from recognition.precision import Precision, StepResult
+from recognition.training.backbone_check import check_backbone
+from recognition.training.distill import Distillation
 from recognition.training.errors import TrainingError
 from recognition.training.finetune import start_from_file
 from recognition.training.head_only import HeadOnlyGate
@@ -137,6 +137,8 @@ class Run:
     """The longest a checkpoint of this run took to save so far (the time limit's reserve)."""
     eval_targets: list[EvalTarget] = field(default_factory=list)
     """What the run verifies on (`run_targets`: eval.targets, or the data's held-out set)."""
+    distill: Distillation | None = None
+    """train.teacher's parts (the projection a checkpoint saves as "distill"), else None."""
 
     @property
     def run_dir(self) -> Path:
@@ -187,6 +189,8 @@ class Run:
         }
         if self.head is None:
             del parts["head"]
+        if self.distill is not None and self.distill.trained:
+            parts["distill"] = self.distill.loss
         return parts
 
 
@@ -218,7 +222,7 @@ def build_data(cfg: ExperimentConfig, dist_info: DistInfo) -> TrainData:
     """Check what the backbone cannot train, make the pipeline's mesh, the training data
     and its sampler on this rank (collective: ranks wait for rank 0's data setup). Writes
     nothing into the run directory."""
-    _check_backbone(cfg, dist_info)
+    check_backbone(cfg, dist_info)
     if _pipelined(cfg):  # before the mesh: a layout that cannot be cut stops every rank alike
         check_stages(cfg.model, cfg.data.image_hw, cfg.model.pipeline_stages)
     layout = make_layout(cfg.model.pipeline_stages, dist_info) if _pipelined(cfg) else None
@@ -249,14 +253,15 @@ def build(
     resuming: bool,
     data: TrainData | None = None,
     init: InitBackbone | None = None,
+    distill: Distillation | None = None,
 ) -> Run:
     """Make the run's parts on this rank (collective: ranks wait for rank 0's data setup).
 
     `data`: what `build_data` made for this run; None makes it now. `init`:
     train.init_backbone as `read_init_backbone` read it; None reads it when the run starts
-    from it. Writes config.yaml
-    (and, unless `resuming`, classes.txt: a resumed run's classes are checked against its
-    checkpoint first) into the run directory on rank 0.
+    from it. `distill`: train.teacher's parts (`teacher_cache.prepare_distillation`). Writes
+    config.yaml (and, unless `resuming`, classes.txt: a resumed run's classes are checked
+    against its checkpoint first) into the run directory on rank 0.
     """
     if data is None:
         data = build_data(cfg, dist_info)
@@ -272,14 +277,19 @@ def build(
         data.sampler, cfg.train.batch_size, steps_per_epoch * cfg.train.accumulate_steps
     )
     memory_format = torch.channels_last if cfg.data.channels_last else torch.preserve_format
-    loader = _build_loader(cfg, dist_info, source, batches, layout, data.decode, memory_format)
+    table = distill.table if distill is not None else None  # cached teacher embeddings
+    loader = _build_loader(
+        cfg, dist_info, source, batches, layout, data.decode, memory_format, table
+    )
     # A resumed run's weights and rows come from its checkpoint: nothing to start from.
     start = None
     if cfg.train.init_backbone is not None and not resuming:
         start = partial(start_from_file, cfg, dist_info, source, init)
     elif cfg.train.init_backbone is not None:
         log.info("train.init_backbone: not loaded, the run resumes from its checkpoint")
-    parts = build_model(cfg, dist_info, source.num_classes, layout, memory_format, start=start)
+    parts = build_model(
+        cfg, dist_info, source.num_classes, layout, memory_format, start=start, distill=distill
+    )
     optimizer = parts.optimizer
     total_steps = cfg.train.epochs * steps_per_epoch
     warmup_steps = round(cfg.optim.warmup_epochs * steps_per_epoch)
@@ -314,6 +324,7 @@ def build(
         layout=layout,
         param_ids=parts.param_ids,
         eval_targets=data.eval_targets,
+        distill=distill,
     )
 
 
@@ -330,6 +341,7 @@ def build_model(
     wrap: Wrapper | None = None,
     local_plan: StagePlan | None = None,
     start: Callable[[nn.Module, ShardedMarginSoftmax], None] | None = None,
+    distill: Distillation | None = None,
 ) -> ModelParts:
     """This rank's model, head shard, precision and optimizer for `num_classes` classes.
 
@@ -342,7 +354,8 @@ def build_model(
     (`pipeline.local_stage_io`) rather than from the other stages; what the run planner
     gives, whose other ranks are not there to ask. None: as training does. `start` sets
     the fp32 backbone's and head's weights before they are cast and wrapped (fine-tuning:
-    `recognition.training.finetune`); None keeps the random ones.
+    `recognition.training.finetune`); None keeps the random ones. `distill` (train.teacher):
+    the model is `distill.Student` (with the projection), the step adds its loss.
     """
     precision = Precision(
         cfg.precision.level,
@@ -356,24 +369,26 @@ def build_model(
         if start is not None:
             start(backbone, head)
         precision.prepare(backbone, head)
-        if wrap is None:
-            model = wrap_model(cfg, dist_info, backbone)
-        else:
-            model = wrap(cfg, dist_info, backbone)
-        step: Callable[..., StepResult] = train_step
+        student = backbone if distill is None else distill.student(backbone, precision)
+        model = (wrap_model if wrap is None else wrap)(cfg, dist_info, student)
         training_loss = TrainingLoss.from_weights(
             cfg.head.id_weight, cfg.head.triplet_weight, cfg.head.triplet_margin
         )
-        if training_loss is not None:  # head.id_weight, head.triplet_weight
-            step = partial(train_step, training_loss=training_loss)
+        # head.id_weight / head.triplet_weight, and a distilled run's term.
+        step: Callable[..., StepResult] = partial(
+            train_step,
+            training_loss=training_loss,
+            distill=None if distill is None else distill.step_term(),
+        )
         param_ids = None
     else:
         backbone, head, model, step, param_ids = _build_pipeline(
             cfg, dist_info, layout, num_classes, memory_format, precision, wrap, local_plan
         )
     parts = [backbone] if head is None else [backbone, head]
+    parts += distill.trained if distill is not None else []  # the projection, at the head's
     # The backbone at its fraction of the head's learning rate (optim.backbone_lr_scale).
-    scales = [cfg.optim.backbone_lr_scale, 1.0][: len(parts)]
+    scales = [cfg.optim.backbone_lr_scale, 1.0, 1.0][: len(parts)]
     groups = param_groups(parts, cfg.optim.weight_decay, scales)
     optimizer = build_optimizer(precision.param_groups(groups), cfg.optim)
     # Partial FC: the optimizer must only move the class rows sampled for the step (under
@@ -397,7 +412,8 @@ def _build_loader(
     layout: PipelineLayout | None,
     decode: Literal["cpu", "gpu"],
     memory_format: torch.memory_format,
-) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    targets: TeacherTable | None,
+) -> Iterable[tuple[torch.Tensor, ...]]:
     # Its own generator: creating the iterator must not draw from the global RNG, or a run
     # resumed mid-epoch would see different dropout / sampling draws.
     generator = torch.Generator().manual_seed(cfg.seed + dist_info.rank)
@@ -414,28 +430,8 @@ def _build_loader(
         device=dist_info.device,
         memory_format=memory_format,
         generator=generator,
+        targets=targets,
     )
-
-
-def _check_backbone(cfg: ExperimentConfig, dist_info: DistInfo) -> None:
-    """Refuse, before anything is built, what the backbone cannot train (it is made on the
-    meta device to be looked at): channels-last on a CPU where oneDNN gets its gradient
-    wrong, and batches of one sample for BatchNorm."""
-    with torch.device("meta"):
-        backbone = backbone_from_config(cfg.model, cfg.data.image_hw)
-    what = f"{cfg.model.backbone} at model.width={cfg.model.width:g}"
-    if cfg.data.channels_last and dist_info.device.type == "cpu":
-        if (refusal := channels_last_refusal(backbone, what)) is not None:
-            raise ConfigError(refusal)
-    # SyncBatchNorm pools the ranks' samples; a pipeline's micro-batches are checked with
-    # the config (recognition.config.check_pipeline).
-    pooled = cfg.model.sync_bn and dist_info.is_distributed
-    has_batch_norm = any(isinstance(m, _BatchNorm) for m in backbone.modules())
-    if cfg.train.batch_size < 2 and has_batch_norm and not pooled and not _pipelined(cfg):
-        raise ConfigError(
-            f"train.batch_size=1: {what} has BatchNorm layers, which cannot train on one "
-            "sample per process; use at least 2 (train.accumulate_steps adds batches up)"
-        )
 
 
 def _build_data(

@@ -244,17 +244,20 @@ class LogWindow(Hook):
             "peak_memory_mb_max": distributed.all_reduce_max(peak_memory),
             "peak_memory_mb_min": distributed.all_reduce_min(peak_memory),
         }
+        distill = window["distill_loss"][finite & np.isfinite(window["distill_loss"])]
+        if len(distill):  # a distilled run (already the mean over ranks)
+            values["distill_loss"] = _mean(distill)
         self.reset()
         return values
 
 
-_RESULT_FIELDS = ("loss", "finite", "accuracy", "grad_norm", "stepped", "scale")
+_RESULT_FIELDS = ("loss", "finite", "accuracy", "grad_norm", "stepped", "scale", "distill_loss")
 
 
 def _read_results(results: list[StepResult]) -> dict[str, np.ndarray]:
     """The fields of `results` as float64 arrays (one entry per step), read from the device
-    in one transfer. A missing loss or accuracy reads as NaN, a missing `finite` as whether
-    the loss is finite."""
+    in one transfer. A missing loss, accuracy or distillation loss reads as NaN, a missing
+    `finite` as whether the loss is finite."""
     if not results:
         return {name: np.zeros(0) for name in _RESULT_FIELDS}
     nan = torch.full((), math.nan, dtype=torch.float64, device=results[0].stepped.device)

@@ -23,6 +23,7 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from recognition import checkpoint as ckpt
@@ -45,6 +46,8 @@ from recognition.training.stopping import (
     StopHook,
     requeue_slurm_job,
 )
+from recognition.training.teacher import read_teacher
+from recognition.training.teacher_cache import prepare_distillation
 
 log = logging.getLogger(__name__)
 
@@ -134,18 +137,26 @@ def build_run(cfg: ExperimentConfig, dist_info: DistInfo, *, resuming: bool) -> 
     """`build`, with the memory check of a GPU run (train.memory_check) between the data,
     which gives the class count, and the model: a run whose plan does not fit stops on
     every rank before anything of its size is allocated or written (collective)."""
-    init = None
+    init = teacher = None
     if cfg.train.init_backbone is not None and not resuming:
         # Before the data and the model: a file that does not fit stops the run at once. Read
         # once: the model built later loads these weights.
         init = read_init_backbone(cfg.train.init_backbone, cfg)
+    if cfg.train.teacher is not None:
+        teacher = read_teacher(cfg.train.teacher)
     data = build_data(cfg, dist_info)
     if cfg.train.memory_check and dist_info.device.type == "cuda":
         # Imported here: only a GPU run plans, and the planner (fake tensors) costs an import.
         from recognition.training.plan import check_memory
 
         check_memory(cfg, dist_info, data.num_classes)
-    return build(cfg, dist_info, resuming=resuming, data=data, init=init)
+    distill = None
+    if teacher is not None:  # its embeddings cached (or it is built) before the student
+        memory_format = torch.channels_last if cfg.data.channels_last else torch.preserve_format
+        distill = prepare_distillation(
+            cfg, dist_info, data.source, teacher, resuming=resuming, memory_format=memory_format
+        )
+    return build(cfg, dist_info, resuming=resuming, data=data, init=init, distill=distill)
 
 
 def check_inputs(cfg: ExperimentConfig, dist_info: DistInfo) -> None:
@@ -213,12 +224,13 @@ def _steps(run: Run, hooks: list[Hook], step_fn: Callable, batches: Iterator) ->
         while progress.step < run.last_step and not run.end_of_epoch and not run.stop_reason:
             for hook in hooks:
                 hook.before_step(run)
+            # (images, labels), and a distilled run's cached teacher embeddings.
             micro_batches = [
                 (
                     x.to(device, non_blocking=True, memory_format=memory_format),
-                    y.to(device, non_blocking=True),
+                    *(t.to(device, non_blocking=True) for t in rest),
                 )
-                for x, y in itertools.islice(batches, cfg.train.accumulate_steps)
+                for x, *rest in itertools.islice(batches, cfg.train.accumulate_steps)
             ]
             result = step_fn(
                 run.model,

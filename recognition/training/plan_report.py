@@ -95,6 +95,8 @@ def format_plan(plan: RunPlan) -> str:
         rows.append(
             ("head.init=centroids pass", [format_bytes(r.centroid_pass) for r in plan.ranks])
         )
+    if any(r.teacher_pass for r in plan.ranks):
+        rows.append(("train.teacher pass", [format_bytes(r.teacher_pass) for r in plan.ranks]))
     rows += [
         ("step FLOPs, backbone", [_flops(r.flops_backbone) for r in plan.ranks]),
         ("step FLOPs, head", [_flops(r.flops_head) for r in plan.ranks]),

@@ -38,15 +38,26 @@ class ShardedPart(Protocol):
     def squared_grad_norm(self) -> torch.Tensor: ...
 
 
+class DistillTerm(Protocol):
+    """A distilled run's part of the loss (`recognition.training.distill.DistillTerm`)."""
+
+    weight: float
+
+    def __call__(
+        self, projected: torch.Tensor, images: torch.Tensor, brought: list[torch.Tensor]
+    ) -> torch.Tensor: ...
+
+
 def train_step(
     backbone: nn.Module,
     head: nn.Module,
-    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: Sequence[tuple[torch.Tensor, ...]],
     optimizer: torch.optim.Optimizer,
     precision: Precision,
     max_grad_norm: float | None,
     *,
     training_loss: TrainingLoss | None = None,
+    distill: DistillTerm | None = None,
 ) -> StepResult:
     """One optimizer step over `micro_batches` (gradient accumulation when more than one).
 
@@ -65,6 +76,11 @@ def train_step(
     parameter or optimizer state changes (`Precision.step`). The loss is the same on every
     rank (the head reduces over the global batch), so ranks skip alike. Returns device
     tensors (`StepResult`); nothing is read on the host.
+
+    `distill` (a distilled run, `recognition.training.distill`): `backbone` returns the
+    embeddings and their projection, a micro-batch may hold more than (images, labels)
+    (the teacher's cached embeddings), and the weighted distillation loss is added to the
+    head's (`_loss`).
     """
     num_micro = len(micro_batches)
     # The head-only gate (train.head_only_steps) holds the model; a compiled model keeps its
@@ -75,22 +91,22 @@ def train_step(
     # loss must be known finite on the host before (one sync per step, that mode only).
     checks_loss_on_host = getattr(head, "updates_in_backward", False)
     precision.zero_grad(optimizer)
-    losses, accuracies = [], []
-    for index, (images, labels) in enumerate(micro_batches):
+    losses, accuracies, distill_losses = [], [], []
+    for index, (images, labels, *brought) in enumerate(micro_batches):
         # DDP would all-reduce after every backward; the sum is only needed after the last.
         defer_sync = is_ddp and index < num_micro - 1
         with syncing.no_sync() if defer_sync else contextlib.nullcontext():  # type: ignore[operator]
             with precision.autocast():
-                output = backbone(precision.cast_inputs(images))
-                features, embeddings = output if isinstance(output, tuple) else (output, output)
-                loss = head(embeddings, labels)  # (B, D) in: the same scalar on every rank
-                if training_loss is not None:
-                    loss = training_loss(loss, features, labels)
-            skip_backward = checks_loss_on_host and not bool(torch.isfinite(loss))
+                loss, reported, distill_loss = _loss(
+                    backbone, head, images, labels, brought, precision, training_loss, distill
+                )
+            skip_backward = checks_loss_on_host and not bool(torch.isfinite(reported))
             if not skip_backward:
                 precision.backward(loss / num_micro)
         # Kept in the loss's own dtype (float32, or float64 in a float64 run).
-        losses.append(loss.detach())
+        losses.append(reported.detach())
+        if distill_loss is not None:
+            distill_losses.append(distill_loss)
         if getattr(head, "last_accuracy", None) is not None:
             accuracies.append(head.last_accuracy.float())
 
@@ -108,7 +124,50 @@ def train_step(
         loss=stacked.mean(),
         finite=finite,
         accuracy=torch.stack(accuracies).mean() if accuracies else None,
+        distill_loss=torch.stack(distill_losses).mean() if distill_losses else None,
     )
+
+
+def _loss(
+    backbone: nn.Module,
+    head: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    brought: list[torch.Tensor],
+    precision: Precision,
+    training_loss: TrainingLoss | None,
+    distill: DistillTerm | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(the loss to backpropagate, the loss to report, the distillation loss or None) of
+    one micro-batch.
+
+    The head's loss, weighed and joined by the triplet loss when `training_loss` says so
+    (the features before a BN neck when the backbone returns (features, embeddings)).
+
+    Distilled, the loss backpropagated is the head's plus the weighted distillation loss of
+    this rank's samples (DDP's gradient average then makes it the mean over the global
+    batch); the one reported takes that term's mean over ranks (detached: one all-reduce
+    of a scalar), so that it is the same on every rank, as the head's is, and a
+    non-finite term on any rank skips the step on all.
+    """
+    output = backbone(precision.cast_inputs(images))
+    if distill is not None:
+        # A distilled backbone returns its embeddings and their projection (B, D_s), (B, D_t);
+        # a teacher is refused with the triplet loss (config), so no neck features come too.
+        embeddings, projected = output
+        features = embeddings
+    else:
+        features, embeddings = output if isinstance(output, tuple) else (output, output)
+    head_loss = head(embeddings, labels)  # (B, D) in: the same scalar on every rank
+    if training_loss is not None:
+        head_loss = training_loss(head_loss, features, labels)
+    if distill is None:
+        return head_loss, head_loss, None
+    term = distill(projected, images, brought)
+    world = distributed.world_size()
+    global_term = distributed.all_reduce_tensor_sum(term.detach()) / world
+    loss = head_loss + distill.weight * term
+    return loss, head_loss.detach() + distill.weight * global_term, global_term
 
 
 def global_grad_norm(

@@ -26,8 +26,11 @@ from recognition.optim import init_state
 from recognition.pipeline import PipelineLayout, StagePlan, make_layout, stage_plan
 from recognition.tensor_memory import TensorMemory, upper_bound
 from recognition.training.build import build_model
+from recognition.training.distill import Distillation
 from recognition.training.parts import ModelParts
+from recognition.training.plan.teacher_pass import fake_targets, planned_distillation
 from recognition.training.roofline import StepCost
+from recognition.training.teacher import teacher_outline
 
 
 class PlanError(RuntimeError):
@@ -90,10 +93,13 @@ def fake_step(
         # (the memory the plan must not take).
         fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_fallback_kernels=False)
         layout, stages = _pipeline(cfg, dist_info)
+        # The teacher's file is read on the host, before the fake tensors.
+        outline = teacher_outline(cfg.train.teacher) if cfg.train.teacher else None
         with fake_mode, memory, _scaler_updates_as_on_gpu():
-            parts = _build(cfg, dist_info, num_classes, layout, stages)
+            distill = planned_distillation(cfg, outline)
+            parts = _build(cfg, dist_info, num_classes, layout, stages, distill)
             breakdown.watch(parts)
-            micro_batches = _fake_batch(cfg, layout)
+            micro_batches = _fake_batch(cfg, layout, fake_targets(cfg, distill))
             init_state(parts.optimizer)
             memory.reset_peak()
             breakdown.start_step()
@@ -197,8 +203,10 @@ def _build(
     num_classes: int,
     layout: PipelineLayout | None,
     stages: StagePlan | None,
+    distill: Distillation | None,
 ) -> ModelParts:
-    """The rank's parts as training builds them, data-parallel wrappers made by
+    """The rank's parts as training builds them (with train.teacher's, `distill`: see
+    `plan.teacher_pass`), data-parallel wrappers made by
     `_DataParallelMemory` (DDP itself cannot wrap fake tensors), a pipeline stage's
     micro-batch shapes found on this rank (`pipeline.local_stage_io`: the other stages,
     which training asks, are not there)."""
@@ -216,7 +224,14 @@ def _build(
     # Parameters in the contiguous format: a channels-last copy has the same bytes, and
     # Module.to cannot convert fake parameters. The batch keeps the run's format.
     return build_model(
-        cfg, dist_info, num_classes, layout, torch.preserve_format, wrap=_wrap, local_plan=stages
+        cfg,
+        dist_info,
+        num_classes,
+        layout,
+        torch.preserve_format,
+        wrap=_wrap,
+        local_plan=stages,
+        distill=distill,
     )
 
 
@@ -243,11 +258,12 @@ class _DataParallelMemory(nn.Module):
 
 
 def _fake_batch(
-    cfg: ExperimentConfig, layout: PipelineLayout | None
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    cfg: ExperimentConfig, layout: PipelineLayout | None, targets: list[torch.Tensor]
+) -> list[tuple[torch.Tensor, ...]]:
     """The step's micro-batches as the loop hands them over: float images (B, 3, H, W) in
     the run's memory format (an empty image batch on a pipeline's later stages, which read
-    the labels alone), and int64 labels."""
+    the labels alone), int64 labels, and `targets` (a distilled run's cached teacher
+    embeddings, `teacher_pass.fake_targets`)."""
     batch = cfg.train.batch_size
     memory_format = torch.channels_last if cfg.data.channels_last else torch.contiguous_format
     images = (
@@ -257,6 +273,7 @@ def _fake_batch(
         (
             torch.empty(images).contiguous(memory_format=memory_format),
             torch.zeros(batch, dtype=torch.int64),
+            *targets,
         )
         for _ in range(cfg.train.accumulate_steps)
     ]

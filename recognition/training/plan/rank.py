@@ -45,6 +45,7 @@ from recognition.heads import shard_range
 from recognition.tensor_memory import CUDA_BLOCK_BYTES
 from recognition.training.plan.centroid_pass import plan_centroid_pass
 from recognition.training.plan.fake import PlanError, fake_step
+from recognition.training.plan.teacher_pass import plan_teacher_pass
 
 
 @dataclass
@@ -76,6 +77,9 @@ class RankPlan:
     centroid_pass: int = 0
     """Peak of head.init=centroids's pass over the data before step 1 (0 without it);
     `peak` is the larger of the two."""
+    teacher_pass: int = 0
+    """Peak of the pass that caches train.teacher's embeddings before step 1 (0 without
+    it); `peak` is the largest of the three."""
 
 
 @dataclass
@@ -141,9 +145,12 @@ def plan_rank(
     stage = rank % cfg.model.pipeline_stages if cfg.model.pipeline_stages > 1 else None
     head_flops = step.flops_in("ShardedMarginSoftmax")
     centroids = plan_centroid_pass(cfg, num_classes, world_size, rank, granularity=granularity)
+    teacher = plan_teacher_pass(cfg, granularity=granularity)
     peak, phase = step.peak, step.phase_at_peak
     if centroids > peak:
         peak, phase = centroids, "centroid pass"
+    if teacher > peak:
+        peak, phase = teacher, "teacher pass"
     return RankPlan(
         rank=rank,
         stage=stage,
@@ -160,6 +167,7 @@ def plan_rank(
         flops_head=head_flops,
         bound_s=dict(cost.bound_s) if cost is not None else {},
         centroid_pass=centroids,
+        teacher_pass=teacher,
     )
 
 
