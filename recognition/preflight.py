@@ -91,3 +91,15 @@ def _output_dir_problem(run_dir: Path) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"output_dir: cannot write the run directory {run_dir}: {existing} is not writable"
     return None
+
+
+# The keys that make the built-in run's model something else than its CPU toy.
+MODEL_KEYS = ("model.", "data.image_size")
+
+
+def toy_on_own_data(cfg: ExperimentConfig, overrides: list[str]) -> bool:
+    """Whether `cfg` (the built-in config with `overrides`) trains the built-in CPU toy model
+    on data of one's own: data.root outside the synthetic set, and neither the model nor the
+    input size overridden."""
+    keys = [item.partition("=")[0].strip() for item in overrides]
+    return not cfg.trains_on_synthetic and not any(k.startswith(MODEL_KEYS) for k in keys)

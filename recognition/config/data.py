@@ -8,6 +8,7 @@ from typing import Literal
 
 from recognition.config.synthetic import SyntheticConfig
 from recognition.config.values import ConfigError, check_image_size, image_size_pair
+from recognition.registry import FORMATS, names
 
 
 @dataclass
@@ -18,12 +19,13 @@ class DataConfig:
     """An image folder (one sub-folder per identity), a folder holding an insightface
     RecordIO pack (`train.rec` + `train.idx`) or a Market-1501 folder
     (`bounding_box_train/`); see `format`."""
-    format: Literal["auto", "folder", "recordio", "market1501"] = "auto"
-    """auto: recordio when root holds train.rec and train.idx, market1501 when it holds
-    bounding_box_train/, else folder."""
-    image_size: int | list[int] = 112
-    """Input size in pixels: one side (a square, 112 for aligned faces) or [H, W] (e.g.
-    [256, 128] for person crops); images of any size are resized to it."""
+    format: str = "auto"
+    """auto or one of {formats}. auto: recordio when root holds train.rec and train.idx,
+    market1501 when it holds bounding_box_train/, else folder (recognition/registry.py)."""
+    image_size: int | list[int] | str = 48
+    """Input size in pixels: one side (a square, 112 for aligned faces; the default run's
+    48), [H, W] (e.g. [256, 128] for person crops) or "HxW" (256x128, made [H, W]); images
+    of any size are resized to it."""
     flip: bool = True
     """Random horizontal flip during training."""
     num_workers: int = 2
@@ -65,6 +67,10 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         self.image_size = check_image_size(self.image_size, "data.image_size")
+        if self.format != "auto" and self.format not in FORMATS:
+            raise ConfigError(
+                f"data.format: unknown {self.format!r} (choose from auto, {names(FORMATS)})"
+            )
         if self.num_workers < 0:
             raise ConfigError("data.num_workers: must be 0 or more")
         if self.pk_instances < 1:

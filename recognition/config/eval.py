@@ -92,8 +92,8 @@ class EvalConfig:
     """Images per evaluation batch."""
     flip: bool = True
     """Sum the embeddings of each image and its mirror image."""
-    image_size: int | list[int] | None = None
-    """Input size for evaluation, one side or [H, W]; null: the training size
+    image_size: int | list[int] | str | None = None
+    """Input size for evaluation, one side, [H, W] or "HxW"; null: the training size
     (data.image_size)."""
 
     def __post_init__(self) -> None:

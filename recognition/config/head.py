@@ -8,21 +8,25 @@ from dataclasses import dataclass
 from typing import Literal
 
 from recognition.config.values import ConfigError
+from recognition.registry import MARGINS, names
 
-MARGIN_NAMES = ("arcface", "cosface", "sphereface", "am_softmax", "combined", "adaface")
+MARGIN_KEYS = ("m", "m1", "m2", "m3", "h", "t_alpha")
+"""The head's margin values, each taken by the margins whose `registry.MARGINS` entry lists
+it in its `keys`."""
 
 
 @dataclass
 class HeadConfig:
     """The `head` section: the margin, its parameters, and the sharded head's kernels."""
 
-    margin: str = "arcface"
-    """arcface, cosface, sphereface, am_softmax, combined or adaface."""
-    scale: float | None = None
-    """Logit scale s; None takes the margin's default."""
-    m: float | None = None
-    """The margin of arcface / cosface / sphereface / am_softmax / adaface; None takes the
-    default."""
+    margin: str = "cosface"
+    """One of {margins} (recognition/registry.py, docs/margins.md)."""
+    scale: float | None = 30.0
+    """Logit scale s; null takes the margin's default."""
+    m: float | None = 0.1
+    """The margin of arcface / cosface / sphereface / am_softmax / adaface; null takes the
+    margin's default. The default run's 0.1 is small: from scratch a larger one learns
+    nothing for its first ~1,000 steps, which is its whole budget."""
     m1: float | None = None
     """Combined margin: the multiplicative angle margin m1; only with margin=combined."""
     m2: float | None = None
@@ -61,27 +65,33 @@ class HeadConfig:
     and precision O0, or O1 with bf16."""
 
     def __post_init__(self) -> None:
-        if self.margin not in MARGIN_NAMES:
-            choices = ", ".join(MARGIN_NAMES)
-            raise ConfigError(f"head.margin: unknown {self.margin!r} (choose from {choices})")
-        if self.margin == "combined" and self.m is not None:
-            raise ConfigError("head.m: the combined margin takes head.m1, head.m2 and head.m3")
-        if self.margin != "combined":
-            for name in ("m1", "m2", "m3"):
-                if getattr(self, name) is not None:
-                    raise ConfigError(f"head.{name}: only used with head.margin=combined")
+        if self.margin not in MARGINS:
+            raise ConfigError(
+                f"head.margin: unknown {self.margin!r} (choose from {names(MARGINS)})"
+            )
+        self._check_margin_keys()
         if self.margin == "adaface":
             self._check_adaface()
-        else:
-            for name in ("h", "t_alpha"):
-                if getattr(self, name) is not None:
-                    raise ConfigError(f"head.{name}: only used with head.margin=adaface")
         if self.scale is not None and self.scale <= 0:
             raise ConfigError("head.scale: must be positive")
         if not 0.0 < self.sample_rate <= 1.0:
             raise ConfigError(f"head.sample_rate: {self.sample_rate} is outside (0, 1]")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ConfigError("head.chunk_size: must be at least 1 (or null)")
+
+    def _check_margin_keys(self) -> None:
+        """Refuse a margin value that head.margin does not take (registry.MARGINS' keys)."""
+        takes = MARGINS[self.margin].keys
+        for key in MARGIN_KEYS:
+            value = getattr(self, key)
+            if value is None or key in takes:
+                continue
+            users = [name for name, entry in MARGINS.items() if key in entry.keys]
+            own = ", ".join(f"head.{k}" for k in takes) or "no margin value"
+            raise ConfigError(
+                f"head.{key}: only used with head.margin={' or '.join(users)}; "
+                f"head.margin={self.margin} takes {own} (set head.{key}=null)"
+            )
 
     def _check_adaface(self) -> None:
         if self.m is not None and not 0.0 <= self.m < math.pi / 2:

@@ -6,19 +6,21 @@ from dataclasses import dataclass
 from typing import Literal
 
 from recognition.config.values import ConfigError
+from recognition.registry import BACKBONES, names
 
 
 @dataclass
 class ModelConfig:
     """The `model` section: the backbone, its embedding and its optional pipeline stages."""
 
-    backbone: str = "iresnet50"
-    """An IResNet for faces (iresnet18, 34, 50, 100, 200; insightface's layout) or
-    resnet50_reid (torchvision's ResNet-50 for person re-id)."""
-    embedding_size: int = 512
+    backbone: str = "iresnet18"
+    """One of {backbones}: an IResNet for faces (insightface's layout) or resnet50_reid
+    (torchvision's ResNet-50 for person re-id); recognition/registry.py lists them."""
+    embedding_size: int = 128
     """Dimension of the embedding (the features the head and the evaluation see)."""
-    width: float = 1.0
-    """Channel multiplier of the backbone (1.0 = the published architecture)."""
+    width: float = 0.125
+    """Channel multiplier of the backbone (1.0 = the published architecture; the default
+    run's 1/8 trains on a CPU in minutes)."""
     dropout: float = 0.0
     """Dropout probability on the last feature map before the embedding layer."""
     sync_bn: bool = False
@@ -49,6 +51,10 @@ class ModelConfig:
     the stages are closest to equal."""
 
     def __post_init__(self) -> None:
+        if self.backbone not in BACKBONES:
+            raise ConfigError(
+                f"model.backbone: unknown {self.backbone!r} (choose from {names(BACKBONES)})"
+            )
         if self.embedding_size < 1:
             raise ConfigError("model.embedding_size: must be at least 1")
         if self.pipeline_stages < 1:

@@ -18,7 +18,7 @@ class TrainConfig:
 
     batch_size: int = 128
     """Per process."""
-    epochs: int = 20
+    epochs: int = 8
     """Passes over the training data; the schedule spans them."""
     max_steps: int | None = None
     """Stop after this many optimizer steps; the schedule still spans `epochs`."""
@@ -49,7 +49,7 @@ class TrainConfig:
     """Seconds a collective waits for the other ranks before it fails: how long a job whose
     rank hung takes to stop. It must exceed the longest gap between two collectives (a
     checkpoint save, the first batch of a slow data loader)."""
-    log_every: int = 10
+    log_every: int = 25
     """Optimizer steps between log lines (and metrics.jsonl records)."""
     checkpoint_every: int | None = None
     """Optimizer steps between checkpoints; null: at the end of every epoch."""

@@ -32,11 +32,10 @@ from recognition.data.gpu_decode import (
 )
 from recognition.data.image_folder import ImageFolderDataset
 from recognition.data.index import open_index
-from recognition.data.market_train import Market1501TrainDataset
-from recognition.data.recordio import RecordIODataset
 from recognition.data.sampler import AugmentedView, IdentityBalancedSampler, ResumableSampler
 from recognition.data.source import TrainSource
 from recognition.data.workers import exit_with_parent
+from recognition.registry import FORMATS, load
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +57,8 @@ def build_train_dataset(
     kind = resolve_format(data_cfg)
     size = data_cfg.image_hw
     policy = data_cfg.on_bad_image
-    if kind == "recordio":
-        return RecordIODataset(data_cfg.root, size, on_bad_image=policy)
-    if kind == "market1501":
-        return Market1501TrainDataset(data_cfg.root, size, on_bad_image=policy)
+    if kind != "folder":  # registry.FORMATS' contract: (root, (H, W), on_bad_image=...)
+        return load(FORMATS, kind, "data.format")(data_cfg.root, size, on_bad_image=policy)
     index = open_index(
         data_cfg.root,
         cache_dir=data_cfg.cache_dir,

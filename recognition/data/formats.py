@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from recognition.config import DataConfig
+from recognition.registry import FORMATS
 
 TRAIN_FOLDER = "bounding_box_train"
 """The training crops' folder of a Market-1501 layout."""
@@ -24,13 +25,15 @@ def resolve_format(data_cfg: DataConfig) -> str:
         )
     if data_cfg.format != "auto":
         return data_cfg.format
-    if (root / "train.rec").is_file():
-        if not (root / "train.idx").is_file():
-            raise FileNotFoundError(
-                f"data.root: {root / 'train.rec'} has no train.idx beside it (the RecordIO "
-                "index of record offsets that comes with the pack); copy it there too"
-            )
-        return "recordio"
-    if (root / TRAIN_FOLDER).is_dir():
-        return "market1501"
+    # The first format whose marker root holds (registry.FORMATS, in order), else folder.
+    for name, entry in FORMATS.items():
+        if not entry.marker or not (root / entry.marker[0]).exists():
+            continue
+        for companion in entry.marker[1:]:
+            if not (root / companion).exists():
+                raise FileNotFoundError(
+                    f"data.root: {root / entry.marker[0]} has no {companion} beside it "
+                    f"(data.format {name}: {entry.about}); copy it there too"
+                )
+        return name
     return "folder"

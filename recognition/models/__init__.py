@@ -1,13 +1,11 @@
 """Backbones: images in, embeddings (B, embedding_size) out.
 
-`BACKBONES` maps the config's `model.backbone` name to a constructor that takes the
-keyword-only arguments `embedding_size`, `width`, `dropout` and `image_size`.
+`BACKBONES` (recognition/registry.py) maps the config's `model.backbone` name to a
+constructor that takes the keyword-only arguments `embedding_size`, `width`, `dropout` and
+`image_size`.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from functools import partial
 
 from torch import nn
 
@@ -23,11 +21,7 @@ from recognition.models.iresnet import (
     iresnet200,
 )
 from recognition.models.resnet import ReIDResNet50, resnet50_reid
-
-BACKBONES: dict[str, Callable[..., nn.Module]] = {
-    **{name: partial(iresnet, name) for name in IRESNET_LAYERS},
-    "resnet50_reid": resnet50_reid,
-}
+from recognition.registry import BACKBONES, load
 
 
 def build_backbone(name: str, **kwargs: object) -> nn.Module:
@@ -39,7 +33,7 @@ def build_backbone(name: str, **kwargs: object) -> nn.Module:
         raise ValueError(
             f"model.backbone: unknown backbone {name!r} (choose from {', '.join(BACKBONES)})"
         )
-    return BACKBONES[name](**kwargs)
+    return load(BACKBONES, name, "model.backbone")(**kwargs)
 
 
 def backbone_from_config(cfg: ModelConfig, image_size: tuple[int, int]) -> nn.Module:

@@ -1,0 +1,107 @@
+"""The names a config gives its parts, and where each part's code is: the one table a new
+margin, backbone, data format or evaluation protocol is added to (docs/extending.md).
+
+Names only. An entry holds its code's import path ("package.module:attribute") as text, so
+the config checks a name when it loads without importing torch, and the code is imported
+when the part is built (`load`). Each table is a plain dict read when it is used: an entry
+added at run time (`MARGINS["mine"] = Entry(...)`, before the config loads) counts as one
+written here. The config's checks, `--show-config`, docs/configuration.md and the builders
+all read these tables and nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One name of a table: its code, what it is in a few words (listed in the reference),
+    and what its table needs besides (see each table)."""
+
+    code: str
+    """"package.module:attribute", imported when the part is built."""
+    about: str
+    """A few words for docs/configuration.md (after the name, in brackets)."""
+    keys: tuple[str, ...] = ()
+    """MARGINS: the `head.*` values the margin takes besides `head.scale` (its constructor's
+    keyword arguments of the same names; `scale` is passed as `s`)."""
+    marker: tuple[str, ...] = ()
+    """FORMATS: what `data.root` holds when it is this format (data.format=auto): the first
+    path names the format, the others must be there beside it."""
+
+
+MARGINS: dict[str, Entry] = {
+    "arcface": Entry("recognition.heads.margins:ArcFace", "cos(theta + m)", ("m",)),
+    "cosface": Entry("recognition.heads.margins:CosFace", "cos(theta) - m", ("m",)),
+    "sphereface": Entry("recognition.heads.margins:SphereFace", "cos(m theta)", ("m",)),
+    "am_softmax": Entry("recognition.heads.margins:AMSoftmax", "cos(theta) - m", ("m",)),
+    "combined": Entry(
+        "recognition.heads.margins:CombinedMargin", "cos(m1 theta + m2) - m3", ("m1", "m2", "m3")
+    ),
+    "adaface": Entry("recognition.heads.margins:AdaFace", "norm-adaptive", ("m", "h", "t_alpha")),
+}
+"""`head.margin`: a `recognition.heads.margins.Margin` subclass, called with `s` (head.scale)
+and the `keys` that are set (unset ones take the class's defaults)."""
+
+BACKBONES: dict[str, Entry] = {
+    **{
+        f"iresnet{depth}": Entry(f"recognition.models.iresnet:iresnet{depth}", "faces")
+        for depth in (18, 34, 50, 100, 200)
+    },
+    "resnet50_reid": Entry("recognition.models.resnet:resnet50_reid", "torchvision's, re-id"),
+}
+"""`model.backbone`: a function (or class) called with the keyword arguments
+`embedding_size`, `width`, `dropout` and `image_size` ((H, W)) that returns the module
+(images (B, 3, H, W) in, embeddings (B, embedding_size) out)."""
+
+FORMATS: dict[str, Entry] = {
+    "recordio": Entry(
+        "recognition.data.recordio:RecordIODataset",
+        "insightface train.rec + train.idx",
+        marker=("train.rec", "train.idx"),
+    ),
+    "market1501": Entry(
+        "recognition.data.market_train:Market1501TrainDataset",
+        "bounding_box_train/",
+        marker=("bounding_box_train",),
+    ),
+    "folder": Entry(
+        "recognition.data.image_folder:ImageFolderDataset", "one sub-folder per identity"
+    ),
+}
+"""`data.format`: a `recognition.data.source.TrainSource` subclass called with `root`,
+`image_size` ((H, W)) and the keyword `on_bad_image` (folder, whose cached index the ranks
+share, is built by `recognition.data.build`). data.format=auto takes the first format whose
+`marker` data.root holds, else folder."""
+
+PROTOCOLS: dict[str, Entry] = {
+    "pairs": Entry(
+        "recognition.evaluation.protocols.verification:PairsVerification", "LFW-style pairs"
+    ),
+    "bin": Entry("recognition.evaluation.protocols.verification:BinVerification", "insightface"),
+    "ijb": Entry("recognition.evaluation.protocols.ijb:IJB", "IJB-B/C 1:1 or 1:N"),
+    "reid": Entry("recognition.evaluation.protocols.reid:ReID", "Market-1501 ranking"),
+}
+"""Evaluation protocols, by the `eval.targets[i]` key that names their input (an
+`EvalTarget` field of the same name): a `recognition.evaluation.protocols.Protocol`
+subclass, called with the target."""
+
+
+def names(table: dict[str, Entry]) -> str:
+    """The names of `table`, comma-separated, in its order."""
+    return ", ".join(table)
+
+
+def load(table: dict[str, Entry], name: str, key: str) -> Any:
+    """The code of `table[name]` (imported now). Raises ValueError naming the config `key`
+    for a name the table lacks, ImportError naming the entry for code that is not there."""
+    if name not in table:
+        raise ValueError(f"{key}: unknown {name!r} (choose from {names(table)})")
+    module, _, attribute = table[name].code.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except AttributeError:
+        raise ImportError(f"{key}={name}: {module} has no {attribute!r}") from None
