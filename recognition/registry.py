@@ -27,7 +27,8 @@ class Entry:
     """A few words for docs/configuration.md (after the name, in brackets)."""
     keys: tuple[str, ...] = ()
     """MARGINS: the `head.*` values the margin takes besides `head.scale` (its constructor's
-    keyword arguments of the same names; `scale` is passed as `s`)."""
+    keyword arguments of the same names; `scale` is passed as `s`). PROTOCOLS: the metrics
+    the protocol reports."""
     marker: tuple[str, ...] = ()
     """FORMATS: what `data.root` holds when it is this format (data.format=auto): the first
     path names the format, the others must be there beside it."""
@@ -77,17 +78,34 @@ FORMATS: dict[str, Entry] = {
 share, is built by `recognition.data.build`). data.format=auto takes the first format whose
 `marker` data.root holds, else folder."""
 
+VERIFICATION_METRICS = ("accuracy", "auc", "eer", "xnorm", "tar@far=")
+
 PROTOCOLS: dict[str, Entry] = {
     "pairs": Entry(
-        "recognition.evaluation.protocols.verification:PairsVerification", "LFW-style pairs"
+        "recognition.evaluation.protocols.verification:PairsVerification",
+        "LFW-style pairs file",
+        VERIFICATION_METRICS,
     ),
-    "bin": Entry("recognition.evaluation.protocols.verification:BinVerification", "insightface"),
-    "ijb": Entry("recognition.evaluation.protocols.ijb:IJB", "IJB-B/C 1:1 or 1:N"),
-    "reid": Entry("recognition.evaluation.protocols.reid:ReID", "Market-1501 ranking"),
+    "bin": Entry(
+        "recognition.evaluation.protocols.verification:BinVerification",
+        "insightface .bin",
+        VERIFICATION_METRICS,
+    ),
+    "ijb": Entry(
+        "recognition.evaluation.protocols.ijb:IJB",
+        "IJB-B/C 1:1 or 1:N",
+        ("auc", "tar@far=", "rank1", "rank5", "rank10", "tpir@fpir="),
+    ),
+    "reid": Entry(
+        "recognition.evaluation.protocols.reid:ReID",
+        "Market-1501 ranking",
+        ("mAP", "rank1", "rank5", "rank10"),
+    ),
 }
 """Evaluation protocols, by the `eval.targets[i]` key that names their input (an
 `EvalTarget` field of the same name): a `recognition.evaluation.protocols.Protocol`
-subclass, called with the target."""
+subclass, called with the target. `keys`: the metrics it reports, as `eval.best_metric`
+names them (one ending in `=` takes a rate after it: tar@far=1e-4)."""
 
 
 def names(table: dict[str, Entry]) -> str:
@@ -100,8 +118,27 @@ def load(table: dict[str, Entry], name: str, key: str) -> Any:
     for a name the table lacks, ImportError naming the entry for code that is not there."""
     if name not in table:
         raise ValueError(f"{key}: unknown {name!r} (choose from {names(table)})")
-    module, _, attribute = table[name].code.partition(":")
+    return load_code(table[name].code, f"{key}={name}")
+
+
+def code_problem(code: str) -> str | None:
+    """What is wrong with the spelling of `code` ("package.module:attribute"), or None."""
+    module, colon, attribute = code.partition(":")
+    parts = [*module.split("."), attribute]
+    if not colon or not all(part.isidentifier() for part in parts):
+        return f"{code!r} is not package.module:attribute"
+    return None
+
+
+def load_code(code: str, key: str) -> Any:
+    """The attribute that `code` ("package.module:attribute") names, imported now. Raises
+    ImportError naming `key` when the module or the attribute is not there."""
+    if (problem := code_problem(code)) is not None:
+        raise ImportError(f"{key}: {problem}")
+    module, _, attribute = code.partition(":")
     try:
         return getattr(importlib.import_module(module), attribute)
+    except ModuleNotFoundError as exc:
+        raise ImportError(f"{key}: no module {exc.name!r} (for {code})") from None
     except AttributeError:
-        raise ImportError(f"{key}={name}: {module} has no {attribute!r}") from None
+        raise ImportError(f"{key}: {module} has no {attribute!r}") from None

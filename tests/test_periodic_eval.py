@@ -263,3 +263,46 @@ def test_missing_target_stops_before_the_first_step(data, tmp_path, kind):
         train(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_ijb_and_reid_run_periodically_and_pick_the_best(data, tmp_path):
+    # Every kind of target is a protocol behind one interface: IJB 1:1 and re-id ranking
+    # evaluate during training like a pairs file, and either may choose the best backbone.
+    from test_evaluate_modes import market
+    from test_ijb import write_ijb
+
+    import evaluate
+
+    train_root, _ = data
+    reid_root, ijb_root = market(tmp_path / "market"), tmp_path / "IJBC"
+    write_ijb(ijb_root, "ijbc", num_ids=3, templates_per_id=2)
+    targets = f"eval.targets=[{{reid: {reid_root}}}, {{ijb: {ijb_root}}}]"
+    cfg = config(
+        train_root,
+        tmp_path / "run",
+        targets,
+        "eval.every_steps=2",
+        "eval.best_metric=ijbc/auc",
+        "eval.at_end=true",
+        "eval.flip=false",
+    )
+    run_dir = train(cfg)
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r for r in records if "eval/market/mAP" in r}
+    assert sorted(evals) == [2, 4, 6]
+    for r in evals.values():
+        assert {"eval/market/rank1", "eval/ijbc/auc", "eval/ijbc/tar@far=1e-1"} <= set(r)
+    aucs = [evals[s]["eval/ijbc/auc"] for s in (2, 4, 6)]
+    best = json.loads((run_dir / "best.json").read_text())
+    assert best["metric"] == "ijbc/auc" and best["step"] == (2, 4, 6)[int(np.argmax(aucs))]
+    # The end's evaluation holds both kinds; evaluate.py gives the kept backbone's numbers.
+    assert sorted(json.loads((run_dir / "eval.json").read_text())) == ["ijbc", "market"]
+    out = tmp_path / "best.json"
+    argv = ["--checkpoint", str(run_dir / "best_backbone.pt"), "--ijb", str(ijb_root)]
+    argv += ["--ijb-name", "ijbc", "--no-flip", "--workers", "0", "--json", str(out)]
+    assert evaluate.main(argv) == 0
+    assert json.loads(out.read_text())["auc"] == pytest.approx(best["value"], abs=1e-9)
+    argv = ["--checkpoint", str(run_dir / "best_backbone.pt"), "--reid", str(reid_root)]
+    assert evaluate.main([*argv, "--no-flip", "--workers", "0", "--json", str(out)]) == 0
+    best_step = evals[best["step"]]
+    assert json.loads(out.read_text())["mAP"] == pytest.approx(best_step["eval/market/mAP"])

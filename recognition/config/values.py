@@ -55,9 +55,7 @@ def check_image_size(value: Any, key: str) -> int | list[int]:
         except ValueError:
             sides = []
         if len(sides) not in (1, 2):
-            raise ConfigError(
-                f"{key}: expected N, HxW or [H, W] (e.g. 112, 256x128), got {value!r}"
-            )
+            raise ConfigError(f"{key}: expected N or HxW (e.g. 112 or 256x128), got {value!r}")
         value = sides[0] if len(sides) == 1 else sides
     if isinstance(value, (list, tuple)):
         sides = list(value)

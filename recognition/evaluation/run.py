@@ -1,13 +1,14 @@
-"""Evaluate a backbone and report: verification targets (pairs files, .bin), embedding
-export; what evaluate.py and the training's evaluation hook call (re-id is in `reid`)."""
+"""The targets a training run evaluates, and the evaluation of them (through their
+protocols, `recognition.evaluation.protocols`): what the training's evaluation hook and
+`train()`'s last evaluation call; also an image folder's embeddings (evaluate.py
+--export-embeddings without targets)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -16,43 +17,19 @@ from recognition.config import EvalTarget, ExperimentConfig
 from recognition.config.eval import HOLDOUT_NAME, SYNTHETIC_VAL_NAME
 from recognition.data.holdout import HOLDOUT_DIR
 from recognition.data.holdout import PAIRS_FILE as HOLDOUT_PAIRS
-from recognition.data.insightface_bin import BinDataset, load_bin
-from recognition.data.pairs import IMAGE_EXTENSIONS, Pairs, load_pairs, resolve_images
+from recognition.data.pairs import IMAGE_EXTENSIONS
 from recognition.data.synthetic.layout import PAIRS_FILE, VAL_DIR
 from recognition.distributed import DistInfo
 from recognition.evaluation.embeddings import (
     DEFAULT_EXTRACTION,
     Extraction,
     PathDataset,
-    index_paths,
     save_embeddings,
-    verify_pairs,
 )
-from recognition.evaluation.plots import plot_roc
-from recognition.evaluation.report import print_report
-from recognition.evaluation.report import write_json as write_json  # also imported from here
-from recognition.evaluation.verification import (
-    evaluate_verification,
-    format_table,
-    to_json_dict,
-)
+from recognition.evaluation.protocols import evaluate_protocols, protocol_for
 from recognition.preflight import awaits_generation, check_target
 
 log = logging.getLogger(__name__)
-
-
-def target_name(target: EvalTarget) -> str:
-    """The target's label in tables and metric keys (see :attr:`EvalTarget.label`)."""
-    return target.label
-
-
-def load_target(target: EvalTarget) -> tuple[Pairs, Path]:
-    """Read a target's pairs and check that every image exists; returns (pairs, image root)."""
-    if target.pairs is None:
-        raise ValueError(f"target {target.label}: not a pairs target")
-    pairs = load_pairs(target.pairs)
-    root = Path(target.images) if target.images else Path(target.pairs).parent
-    return resolve_images(pairs, root), root
 
 
 def run_targets(cfg: ExperimentConfig, *, holdout: bool | None = None) -> list[EvalTarget]:
@@ -125,51 +102,6 @@ def check_training_targets(cfg: ExperimentConfig, dist_info: DistInfo) -> None:
         raise ValueError(error)
 
 
-def verify_consecutive(
-    embeddings: np.ndarray, issame: np.ndarray, num_folds: int = 10
-) -> dict[str, object]:
-    """Verification metrics of pairs (2i, 2i+1) of ``embeddings`` (2N, D), as a .bin orders them.
-
-    The N pairs are split in order into ``num_folds`` contiguous folds (insightface's
-    unshuffled 10-fold protocol). Returns :func:`evaluate_verification`'s dict.
-    """
-    unit = np.asarray(embeddings, dtype=np.float64)
-    unit = unit / np.maximum(np.linalg.norm(unit, axis=1, keepdims=True), 1e-12)
-    scores = np.einsum("pd,pd->p", unit[0::2], unit[1::2])  # (N,)
-    return evaluate_verification(scores, issame, num_folds=num_folds)
-
-
-def evaluate_target(
-    backbone: nn.Module,
-    target: EvalTarget,
-    image_size: int | tuple[int, int],
-    extraction: Extraction = DEFAULT_EXTRACTION,
-    *,
-    xnorm: bool = False,
-) -> tuple[dict, np.ndarray, list[str]]:
-    """Verification of `backbone` on one target (a pairs file or a .bin).
-
-    Returns (metrics, embeddings (N, D), their paths): for pairs the image paths relative to
-    the image root, for a .bin ``"<file name>/<index>"``. With ``xnorm`` the metrics hold
-    ``xnorm``, the mean norm of the raw embeddings of the (unflipped) images.
-    """
-    if target.bin is not None:
-        bin_pairs = load_bin(target.bin)
-        dataset = BinDataset(bin_pairs, size=image_size, crop=target.crop)
-        embeddings, norms = extraction(backbone, dataset, return_norms=True)
-        paths = [f"{Path(target.bin).name}/{i}" for i in range(len(dataset))]
-        results = verify_consecutive(embeddings, bin_pairs.issame)
-    else:
-        pairs, root = load_target(target)
-        paths = pairs.images()
-        dataset = PathDataset(paths, size=image_size, root=root, crop=target.crop)
-        embeddings, norms = extraction(backbone, dataset, return_norms=True)
-        results = verify_pairs(embeddings, index_paths(paths), pairs)
-    if xnorm:
-        results["xnorm"] = float(np.mean(norms, dtype=np.float64))
-    return results, embeddings, paths
-
-
 def evaluate_targets(
     backbone: nn.Module,
     targets: Sequence[EvalTarget],
@@ -179,43 +111,13 @@ def evaluate_targets(
     export_path: Path | None = None,
     xnorm: bool = False,
 ) -> dict[str, dict]:
-    """Verification results {target name: metrics} of `backbone` on each target.
-
-    With ``export_path`` the embeddings are written there (one target), or to
-    ``<stem>.<target name>.npz`` next to it for each of several targets.
-    """
-    results: dict[str, dict] = {}
-    for target in targets:
-        name = target_name(target)
-        results[name], embeddings, paths = evaluate_target(
-            backbone, target, image_size, extraction, xnorm=xnorm
-        )
-        if export_path is not None:
-            out = export_path
-            if len(targets) > 1:
-                out = export_path.with_name(f"{export_path.stem}.{name}{export_path.suffix}")
-            save_embeddings(out, embeddings, paths)
-            log.info("wrote %d embeddings to %s", len(paths), out)
-    return results
-
-
-def report(
-    results: dict[str, dict],
-    *,
-    json_path: Path | None = None,
-    roc_path: Path | None = None,
-    flat_json: bool = False,
-) -> str:
-    """Print the table; write JSON (keyed by target, or flat for one target) and the ROC plot."""
-    if flat_json and len(results) == 1:
-        payload = to_json_dict(next(iter(results.values())))
-    else:
-        payload = {name: to_json_dict(r) for name, r in results.items()}
-    table = print_report(format_table(results), payload, json_path)
-    if roc_path is not None:
-        plot_roc(results, roc_path)
-        log.info("wrote %s", roc_path)
-    return table
+    """Results {target name: metrics} of `backbone` on each target, through its protocol
+    (`recognition.evaluation.protocols.evaluate_protocols`, which says how `export_path`
+    is used)."""
+    protocols = [protocol_for(target) for target in targets]
+    return evaluate_protocols(
+        backbone, protocols, image_size, extraction, export_path=export_path, xnorm=xnorm
+    )
 
 
 def list_images(root: Path) -> list[str]:
@@ -251,20 +153,3 @@ def export_folder(
     save_embeddings(out, embeddings, paths)
     log.info("wrote %d embeddings to %s", len(paths), out)
     return len(paths)
-
-
-# ---------------------------------------------------------------------- during training
-
-
-def metric_values(name: str, result: Mapping) -> dict[str, float]:
-    """Scalars of one target's result as ``eval/<name>/<metric>`` (unmeasurable ones left out).
-
-    Metrics: accuracy, auc, eer, xnorm (when present) and ``tar@far=<FAR>`` for each FAR.
-    """
-    values = {f"eval/{name}/{k}": float(result[k]) for k in ("accuracy", "auc", "eer")}
-    if result.get("xnorm") is not None:
-        values[f"eval/{name}/xnorm"] = float(result["xnorm"])
-    for far, tar in result.get("tar_at_far", {}).items():
-        if tar is not None:
-            values[f"eval/{name}/tar@far={far}"] = float(tar)
-    return values

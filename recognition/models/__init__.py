@@ -36,6 +36,23 @@ def build_backbone(name: str, **kwargs: object) -> nn.Module:
     return load(BACKBONES, name, "model.backbone")(**kwargs)
 
 
+def check_input_size(
+    backbone: nn.Module, image_size: int | tuple[int, int] | None, key: str
+) -> None:
+    """Refuse an `image_size` that a backbone built for one input size cannot take (an
+    IResNet: its fc layer is sized for the map of its own input size), naming `key` (the
+    flag or config key that asked for it); None or a backbone of any size passes."""
+    fixed = getattr(backbone, "image_size", None)
+    if image_size is None or fixed is None:
+        return
+    height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
+    if (height, width) != tuple(fixed):
+        raise ValueError(
+            f"{key} {height}x{width}: this checkpoint's backbone takes {fixed[0]}x{fixed[1]} "
+            f"images only (its layers are sized for them); leave {key} out"
+        )
+
+
 def backbone_from_config(cfg: ModelConfig, image_size: tuple[int, int]) -> nn.Module:
     """The backbone `model.*` describes, for inputs of `image_size` (H, W)."""
     return build_backbone(
@@ -54,6 +71,7 @@ __all__ = [
     "ReIDResNet50",
     "backbone_from_config",
     "build_backbone",
+    "check_input_size",
     "iresnet",
     "iresnet18",
     "iresnet34",
