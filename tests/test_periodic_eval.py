@@ -135,6 +135,36 @@ def test_best_metric_is_validated():
         config_from_dict({"eval": {"targets": [targets[0], targets[0]]}})
 
 
+def test_the_metrics_of_ijb_and_reid_targets_are_checked_when_the_config_loads(tmp_path):
+    targets = [{"ijb": "IJB_release/IJBC", "ijb_mode": "1n"}, {"reid": "data/Market"}]
+    for good in ("ijbc-1n/rank1", "ijbc-1n/tpir@fpir=1e-2", "Market/mAP", "Market/rank5"):
+        eval_cfg = {"targets": targets, "every_steps": 5, "best_metric": good}
+        assert config_from_dict({"eval": eval_cfg}).eval.best_metric == good
+    for bad, match in [
+        ("Market/accuracy", "unknown metric 'accuracy' for reid targets"),
+        ("ijbc-1n/eer", "unknown metric 'eer' for ijb targets"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            config_from_dict({"eval": {"targets": targets, "every_steps": 5, "best_metric": bad}})
+    for target, key in [
+        ({"ijb": "somewhere/release"}, "ijb_name"),  # the folder does not say which set
+        ({"reid": "m", "crop": 10}, "crop"),
+        ({"bin": "a.bin", "ijb_mode": "1n"}, "ijb_name"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"eval\.targets\[0\]\.{key}"):
+            config_from_dict({"eval": {"targets": [target]}})
+    # Their inputs are checked before any work, like a pairs file's.
+    from recognition.preflight import input_problems
+
+    cfg = config_from_dict(
+        {"output_dir": str(tmp_path / "run"), "data": {"root": str(tmp_path)}, "eval": {"targets": [
+            {"ijb": str(tmp_path / "IJBC")}, {"reid": str(tmp_path / "market")}]}}
+    )  # fmt: skip
+    problems = input_problems(cfg)
+    assert f"IJB meta folder not found: {tmp_path / 'IJBC'}" in problems[0]
+    assert f"{tmp_path / 'market' / 'query'} not found" in problems[1]
+
+
 @pytest.mark.parametrize(
     "metric, values, best_step",
     [("accuracy", [0.5, 0.7, 0.6, 0.7], 2), ("eer", [0.3, 0.1, 0.2, 0.1], 2)],

@@ -204,6 +204,6 @@ def parse_metric(metric: str, key: str, kind: str = "pairs") -> tuple[str, float
                 return prefix, rate
     spelled = ", ".join(k + "<rate>" if k.endswith("=") else k for k in known)
     raise ConfigError(
-        f"{key}: unknown metric {metric!r} of a {kind} target; use one of {spelled} "
+        f"{key}: unknown metric {metric!r} for {kind} targets; use one of {spelled} "
         "(e.g. tar@far=1e-3)"
     )
