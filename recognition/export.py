@@ -144,7 +144,9 @@ def export_arcface_torch(backbone: nn.Module, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m recognition.export",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--checkpoint", type=Path, required=True, help="backbone.pt or a checkpoint"

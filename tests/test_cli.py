@@ -202,3 +202,8 @@ def test_own_faces_on_a_gpu_name_the_config_to_use(tmp_path, monkeypatch, trains
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert train.main([f"data.root={faces}", f"output_dir={run}"]) == 0
     assert len(trains) == 3 and trains[1].model.width == 0.5
+
+
+def test_the_plan_flags_help_says_their_defaults():
+    text = " ".join(train._parser().format_help().split())
+    assert "the world size (default: 8)" in text and "GiB of memory per GPU (default: 80)" in text

@@ -438,6 +438,7 @@ def test_largest_batch_is_the_boundary(capsys, tmp_path):
     assert train.main(args) == 0
     text = capsys.readouterr().out
     assert "class rows" in text and "step time >= (H100 SXM)" in text
+    assert text.startswith("plan: default, 1 GPU, ")  # not "1 GPUs"
     verdict = text.strip().splitlines()[-1]
     assert verdict.startswith(("fits", "does NOT fit")), verdict
     batch = int(verdict.split("largest train.batch_size that fits: ")[1].split(";")[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 
 import pytest
@@ -89,3 +90,9 @@ def test_show_config_says_which_file_set_each_value(capsys):
     assert "# [configs/face_base.yaml]" in lines["margin"]  # its base
     assert "# [command line]" in lines["lr"]
     assert "# [" not in lines["flip"] and "# [" not in lines["sampler"]  # defaults
+
+
+def test_the_docs_spell_null_as_yaml_does():
+    # A YAML file or a key=value writes null; Python's None in a key's doc misleads.
+    said = [line for line in PAGE.read_text().splitlines() if re.search(r"\bNone\b", line)]
+    assert not said, said

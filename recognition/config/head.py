@@ -35,9 +35,9 @@ class HeadConfig:
     """Combined margin s*(cos(m1*theta + m2) - m3); only with margin=combined."""
     h: float | None = None
     """AdaFace: how far a norm must lie from the running mean, in running stds (1/h), for the
-    full margin; >= 0, None takes 0.333. Only with margin=adaface."""
+    full margin; >= 0, null takes 0.333. Only with margin=adaface."""
     t_alpha: float | None = None
-    """AdaFace: weight of each batch in the running norm statistics, in [0, 1]; None takes
+    """AdaFace: weight of each batch in the running norm statistics, in [0, 1]; null takes
     0.01. Only with margin=adaface."""
     init: Literal["random", "centroids"] = "random"
     """How the class rows start: random (drawn from the seed, the same on any number of
@@ -50,8 +50,8 @@ class HeadConfig:
     """Fraction of the negative classes each rank samples per step (Partial FC)."""
     chunk_size: int | None = None
     """Classes per logit chunk, recomputed in backward (memory O(batch x chunk_size));
-    None keeps the logits of the whole shard for backward (faster, memory O(batch x
-    classes per rank)). None is never replaced by a size chosen automatically."""
+    null keeps the logits of the whole shard for backward (faster, memory O(batch x
+    classes per rank)); it is never replaced by a size chosen automatically."""
     kernel: Literal["auto", "triton", "torch"] = "auto"
     """The head's local statistics: torch (the reference code), triton (fused kernels, CUDA
     or TRITON_INTERPRET=1) or auto (on CUDA the faster of the two, timed at the first step

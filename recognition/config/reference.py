@@ -242,7 +242,10 @@ def reference_page() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Print (or --write) docs/configuration.md.")
+    parser = argparse.ArgumentParser(
+        prog="python -m recognition.config.reference",
+        description="Print (or --write) docs/configuration.md.",
+    )
     parser.add_argument("--write", action="store_true", help=f"write {PAGE.name} in docs/")
     args = parser.parse_args(argv)
     if args.write:
