@@ -223,7 +223,7 @@ def _evaluate(args: argparse.Namespace, image_size_arg: tuple[int, int] | int | 
             protocols = [protocol_for(t, **options[t.kind]) for t in run_targets]
     backbone, image_size, extraction = _model(args, checkpoint, protocols, image_size_arg)
     if not protocols and args.images is not None and args.export_embeddings:
-        from recognition.evaluation.run import export_folder
+        from recognition.evaluation.embeddings import export_folder
 
         # An image folder and nothing to verify: embeddings only.
         export_folder(
@@ -270,7 +270,7 @@ def _last_run(args: argparse.Namespace) -> tuple[Path, list]:
     backbone export and what it verified on, by the config.yaml it saved: its eval.targets,
     else its data's held-out identities (the synthetic set's pairs, or the pairs of the
     identities eval.holdout kept out, in the run directory)."""
-    from recognition.evaluation.run import run_targets
+    from recognition.evaluation.targets import run_targets
 
     cfg = load_config(args.config)
     if (cfg.run_dir / "config.yaml").is_file():

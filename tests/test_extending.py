@@ -174,7 +174,7 @@ from recognition.config import load_config
 from recognition.config.reference import reference_page
 from recognition.evaluation.embeddings import Extraction
 from recognition.evaluation.protocols import protocol_for, scalars
-from recognition.evaluation.run import evaluate_config_targets
+from recognition.evaluation.targets import evaluate_config_targets
 from recognition.models import build_backbone
 
 torch.manual_seed(0)

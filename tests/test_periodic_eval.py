@@ -15,7 +15,7 @@ from recognition import checkpoint as ckpt
 from recognition.checkpoint import load_backbone
 from recognition.config import ConfigError, config_from_dict, load_config
 from recognition.evaluation.embeddings import Extraction
-from recognition.evaluation.run import evaluate_targets
+from recognition.evaluation.protocols import evaluate_targets
 from recognition.training import train
 
 

@@ -42,7 +42,7 @@ from recognition.data.sampler import EpochBatches
 from recognition.data.source import TrainSource
 from recognition.data.synthetic import ensure_synthetic_dataset
 from recognition.distributed import DistInfo
-from recognition.evaluation.run import check_training_targets, run_targets
+from recognition.evaluation.targets import check_training_targets, run_targets
 from recognition.heads import ShardedMarginSoftmax, build_head
 from recognition.models import backbone_from_config
 from recognition.models.cpu_layout import channels_last_refusal

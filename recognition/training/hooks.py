@@ -35,7 +35,7 @@ from recognition.config.eval import LOWER_IS_BETTER
 from recognition.distributed import DistInfo
 from recognition.evaluation.protocols import protocol_for, scalars
 from recognition.evaluation.report import write_json
-from recognition.evaluation.run import evaluate_config_targets, run_targets
+from recognition.evaluation.targets import evaluate_config_targets, run_targets
 from recognition.logging import MetricsWriter
 from recognition.optim import scheduled_lr
 from recognition.precision import StepResult

@@ -247,7 +247,7 @@ def _finish(run: Run) -> None:
     log.info("wrote %s", path)
     if cfg.eval.at_end and run.eval_targets:
         from recognition.evaluation.protocols import protocol_for, report
-        from recognition.evaluation.run import evaluate_config_targets
+        from recognition.evaluation.targets import evaluate_config_targets
 
         model = copy.deepcopy(backbone).float().eval()
         results = evaluate_config_targets(

@@ -69,6 +69,27 @@ def evaluate_protocols(
     return results
 
 
+def evaluate_targets(
+    backbone: nn.Module,
+    targets: Sequence[EvalTarget],
+    image_size: int | tuple[int, int],
+    extraction: Extraction | None = None,
+    *,
+    export_path: Path | None = None,
+    xnorm: bool = False,
+) -> dict[str, dict]:
+    """Results {target name: metrics} of `backbone` on each target, through its protocol
+    (`evaluate_protocols`, which says how `export_path` is used); `extraction` None: the
+    default `Extraction`."""
+    from recognition.evaluation.embeddings import DEFAULT_EXTRACTION
+
+    extraction = DEFAULT_EXTRACTION if extraction is None else extraction
+    protocols = [protocol_for(target) for target in targets]
+    return evaluate_protocols(
+        backbone, protocols, image_size, extraction, export_path=export_path, xnorm=xnorm
+    )
+
+
 def scalars(protocols: Sequence[Protocol], results: Mapping[str, Mapping]) -> dict[str, float]:
     """`eval/<target>/<metric>`: value for every result (what metrics.jsonl logs)."""
     values = {}
@@ -128,6 +149,7 @@ def onnx_input(args: argparse.Namespace) -> OnnxInput | None:
 __all__ = [
     "Protocol",
     "evaluate_protocols",
+    "evaluate_targets",
     "onnx_input",
     "path_problem",
     "protocol_class",

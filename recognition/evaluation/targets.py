@@ -1,7 +1,7 @@
-"""The targets a training run evaluates, and the evaluation of them (through their
-protocols, `recognition.evaluation.protocols`): what the training's evaluation hook and
-`train()`'s last evaluation call; also an image folder's embeddings (evaluate.py
---export-embeddings without targets)."""
+"""The targets a training run evaluates (`run_targets`: eval.targets, or the data's own
+held-out identities), checked (`check_training_targets`) and evaluated with the config's
+settings (`evaluate_config_targets`, through their protocols): what the training's
+evaluation hook, `train()`'s last evaluation and `evaluate.py` on a finished run call."""
 
 from __future__ import annotations
 
@@ -17,16 +17,10 @@ from recognition.config import EvalTarget, ExperimentConfig
 from recognition.config.eval import HOLDOUT_NAME, SYNTHETIC_VAL_NAME
 from recognition.data.holdout import HOLDOUT_DIR
 from recognition.data.holdout import PAIRS_FILE as HOLDOUT_PAIRS
-from recognition.data.pairs import IMAGE_EXTENSIONS
 from recognition.data.synthetic.layout import PAIRS_FILE, VAL_DIR
 from recognition.distributed import DistInfo
-from recognition.evaluation.embeddings import (
-    DEFAULT_EXTRACTION,
-    Extraction,
-    PathDataset,
-    save_embeddings,
-)
-from recognition.evaluation.protocols import evaluate_protocols, protocol_for
+from recognition.evaluation.embeddings import Extraction
+from recognition.evaluation.protocols import evaluate_targets
 from recognition.preflight import awaits_generation, check_target
 
 log = logging.getLogger(__name__)
@@ -100,56 +94,3 @@ def check_training_targets(cfg: ExperimentConfig, dist_info: DistInfo) -> None:
     error = distributed.broadcast_object(error)
     if error is not None:
         raise ValueError(error)
-
-
-def evaluate_targets(
-    backbone: nn.Module,
-    targets: Sequence[EvalTarget],
-    image_size: int | tuple[int, int],
-    extraction: Extraction = DEFAULT_EXTRACTION,
-    *,
-    export_path: Path | None = None,
-    xnorm: bool = False,
-) -> dict[str, dict]:
-    """Results {target name: metrics} of `backbone` on each target, through its protocol
-    (`recognition.evaluation.protocols.evaluate_protocols`, which says how `export_path`
-    is used)."""
-    protocols = [protocol_for(target) for target in targets]
-    return evaluate_protocols(
-        backbone, protocols, image_size, extraction, export_path=export_path, xnorm=xnorm
-    )
-
-
-def list_images(root: Path) -> list[str]:
-    """Every image file under ``root`` (recursively), relative to it, sorted; POSIX separators."""
-    if not root.is_dir():
-        raise FileNotFoundError(f"image folder not found: {root}")
-    suffixes = {e.lower() for e in IMAGE_EXTENSIONS}
-    paths = sorted(
-        p.relative_to(root).as_posix()
-        for p in root.rglob("*")
-        if p.is_file() and p.suffix.lower() in suffixes
-    )
-    if not paths:
-        raise ValueError(f"{root}: no images ({', '.join(IMAGE_EXTENSIONS)}) found")
-    return paths
-
-
-def export_folder(
-    backbone: nn.Module,
-    root: Path,
-    out: Path,
-    image_size: int | tuple[int, int],
-    extraction: Extraction = DEFAULT_EXTRACTION,
-    *,
-    crop: int | None = None,
-) -> int:
-    """Embed every image under ``root`` and write ``out`` (.npz: embeddings, relative paths).
-
-    Returns the number of images.
-    """
-    paths = list_images(root)
-    embeddings = extraction(backbone, PathDataset(paths, size=image_size, root=root, crop=crop))
-    save_embeddings(out, embeddings, paths)
-    log.info("wrote %d embeddings to %s", len(paths), out)
-    return len(paths)
