@@ -71,11 +71,10 @@ from recognition.training.finetune import start_from_file
 from recognition.training.head_only import HeadOnlyGate
 from recognition.training.holdout import hold_out, holdout_wanted
 from recognition.training.init_backbone import InitBackbone
-from recognition.training.parts import ModelParts
+from recognition.training.parts import ModelParts, compile_model, wrap_model
 from recognition.training.pipeline_step import PipelineStep, build_pipeline_step
 from recognition.training.state import Progress, RngState
 from recognition.training.step import train_step
-from recognition.training.wrapping import compile_model, wrap_model
 
 log = logging.getLogger(__name__)
 
