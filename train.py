@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.plan:
-        from recognition.training.plan_report import run_plan_command
+        from recognition.training.plan.report import run_plan_command
 
         return run_plan_command(
             cfg,

@@ -372,7 +372,7 @@ def test_the_plan_counts_the_centroid_pass_as_it_runs(image_folder, pretrained, 
     from recognition.tensor_memory import TensorMemory
     from recognition.training.plan import plan_run
     from recognition.training.plan.centroid_pass import plan_centroid_pass
-    from recognition.training.plan_report import format_plan
+    from recognition.training.plan.report import format_plan
 
     cfg = tiny_config(
         image_folder, tmp_path / "run", f"train.init_backbone={pretrained}", "head.init=centroids"

@@ -27,7 +27,7 @@ from recognition.pipeline import PipelineLayout, StagePlan, make_layout, stage_p
 from recognition.tensor_memory import TensorMemory, upper_bound
 from recognition.training.build import build_model
 from recognition.training.parts import ModelParts
-from recognition.training.roofline import StepCost
+from recognition.training.plan.roofline import StepCost
 
 
 class PlanError(RuntimeError):

@@ -22,7 +22,7 @@ from recognition.training.plan import (
     plan_run,
     usable_bytes,
 )
-from recognition.training.roofline import DEVICES
+from recognition.training.plan.roofline import DEVICES
 
 # The project's own measurements on an H100 (the issues' benchmarks), printed beside the
 # bound so that a reader sees how far real steps are from it.
