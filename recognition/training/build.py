@@ -46,7 +46,6 @@ from recognition.evaluation.targets import check_training_targets, run_targets
 from recognition.heads import ShardedMarginSoftmax, build_head
 from recognition.models import backbone_from_config
 from recognition.models.cpu_layout import channels_last_refusal
-from recognition.models.freeze import freeze_batch_norm
 from recognition.optim import (
     OptimizerState,
     build_optimizer,
@@ -68,9 +67,10 @@ from recognition.pipeline import (
 from recognition.precision import Precision, StepResult
 from recognition.training.errors import TrainingError
 from recognition.training.finetune import start_from_file
-from recognition.training.head_only import HeadOnlyGate
+from recognition.training.finetune.freeze import freeze_batch_norm
+from recognition.training.finetune.head_only import HeadOnlyGate
+from recognition.training.finetune.init_backbone import InitBackbone
 from recognition.training.holdout import hold_out, holdout_wanted
-from recognition.training.init_backbone import InitBackbone
 from recognition.training.parts import ModelParts, compile_model, wrap_model
 from recognition.training.pipeline_step import PipelineStep, build_pipeline_step
 from recognition.training.state import Progress, RngState

@@ -34,8 +34,8 @@ from recognition.logging import MetricsWriter, setup_logging
 from recognition.preflight import InputError, input_problems
 from recognition.training.build import Run, TrainingError, build, build_data
 from recognition.training.determinism import deterministic_mode
+from recognition.training.finetune.init_backbone import read_init_backbone
 from recognition.training.hooks import Hook, config_hooks, default_hooks
-from recognition.training.init_backbone import read_init_backbone
 from recognition.training.resume import resume, resume_path
 from recognition.training.state import seed_everything
 from recognition.training.stopping import (
