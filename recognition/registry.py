@@ -28,7 +28,8 @@ class Entry:
     keys: tuple[str, ...] = ()
     """MARGINS: the `head.*` values the margin takes besides `head.scale` (its constructor's
     keyword arguments of the same names; `scale` is passed as `s`). PROTOCOLS: the metrics
-    the protocol reports."""
+    the protocol reports. BACKBONES: ("width",) for a backbone of fixed widths, which takes
+    model.width=1 only."""
     marker: tuple[str, ...] = ()
     """FORMATS: what `data.root` holds when it is this format (data.format=auto): the first
     path names the format, the others must be there beside it."""
@@ -52,7 +53,9 @@ BACKBONES: dict[str, Entry] = {
         f"iresnet{depth}": Entry(f"recognition.models.iresnet:iresnet{depth}", "faces")
         for depth in (18, 34, 50, 100, 200)
     },
-    "resnet50_reid": Entry("recognition.models.resnet:resnet50_reid", "torchvision's, re-id"),
+    "resnet50_reid": Entry(
+        "recognition.models.resnet:resnet50_reid", "torchvision's, re-id", ("width",)
+    ),
 }
 """`model.backbone`: a function (or class) called with the keyword arguments
 `embedding_size`, `width`, `dropout` and `image_size` ((H, W)) that returns the module

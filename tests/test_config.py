@@ -270,3 +270,12 @@ def test_the_config_loads_without_torch():
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_backbone_of_fixed_widths_is_told_at_load_to_keep_width_one():
+    # resnet50_reid has torchvision's widths: the built-in run's width 1/8 is refused when the
+    # config loads (it used to fail once torch had loaded and the model was built).
+    with pytest.raises(ConfigError, match=r"^model\.width: resnet50_reid has fixed widths"):
+        load_config("default", ["model.backbone=resnet50_reid"])
+    reid = load_config("default", ["model.backbone=resnet50_reid", "model.width=1"])
+    assert reid.model.width == 1

@@ -28,8 +28,8 @@ def resolved(name: str) -> dict:
 
 
 def differences(recorded, now, key: str = "") -> list[str]:
-    """The dotted keys whose recorded value `now` does not hold (keys only `now` has are new
-    fields, not differences)."""
+    """The dotted keys whose recorded value `now` does not hold (keys only `now` has, in
+    sections or in a list's sections, are new fields, not differences)."""
     if isinstance(recorded, dict) and isinstance(now, dict):
         found = []
         for name, value in recorded.items():
@@ -39,6 +39,13 @@ def differences(recorded, now, key: str = "") -> list[str]:
             else:
                 found += differences(value, now[name], where)
         return found
+    if isinstance(recorded, list) and isinstance(now, list) and len(recorded) == len(now):
+        # A list of sections (eval.targets): item by item, so that a field added since is new.
+        return [
+            d
+            for i, (r, n) in enumerate(zip(recorded, now, strict=True))
+            for d in differences(r, n, f"{key}[{i}]")
+        ]
     return [] if recorded == now else [f"{key}: {recorded!r} then, {now!r} now"]
 
 

@@ -20,7 +20,7 @@ class ModelConfig:
     """Dimension of the embedding (the features the head and the evaluation see)."""
     width: float = 0.125
     """Channel multiplier of the backbone (1.0 = the published architecture; the default
-    run's 1/8 trains on a CPU in minutes)."""
+    run's 1/8 trains on a CPU in minutes). resnet50_reid has fixed widths: 1.0 only."""
     dropout: float = 0.0
     """Dropout probability on the last feature map before the embedding layer."""
     sync_bn: bool = False
@@ -69,5 +69,10 @@ class ModelConfig:
             )
         if not 0.0 < self.width <= 4.0:
             raise ConfigError(f"model.width: {self.width} is outside (0, 4]")
+        if "width" in BACKBONES[self.backbone].keys and self.width != 1.0:
+            raise ConfigError(
+                f"model.width: {self.backbone} has fixed widths and takes model.width=1.0 only, "
+                f"got {self.width:g} (the default 0.125 is the built-in IResNet-18's)"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout: {self.dropout} is outside [0, 1)")
