@@ -277,7 +277,7 @@ def pipelined_grads(case: dict, rank: int, world: int) -> dict:
     stage = stage.double()
     head = None
     if layout.is_last:
-        head_cfg = HeadConfig(margin=case["margin"], scale=16.0)
+        head_cfg = HeadConfig(margin=case["margin"], scale=16.0, m=None)
         head = build_head(
             head_cfg, NUM_CLASSES, EMBEDDING, seed=SEED, group=layout.dp_group
         ).double()
@@ -313,7 +313,7 @@ def reference_grads(case: dict, num_replicas: int, single: dist.ProcessGroup) ->
     torch.manual_seed(SEED)
     whole = backbone_from_config(cfg, IMAGE_HW).double()
     head = build_head(
-        HeadConfig(margin=case["margin"], scale=16.0),
+        HeadConfig(margin=case["margin"], scale=16.0, m=None),
         NUM_CLASSES,
         EMBEDDING,
         seed=SEED,
