@@ -16,8 +16,11 @@ CKPT is a run's backbone.pt or any of its training checkpoints, an arcface_torch
 state dict (backbone.pth, model.pt), a torchvision ResNet-50 state dict (re-id), or an ONNX
 model (run by onnxruntime; its input normalisation --onnx-mean, --onnx-std, --onnx-bgr).
 `--roc roc.png` draws the ROC; `--export-embeddings EMB.npz` writes the embeddings of
-every image evaluated (with several targets, EMB.<target>.npz each). Several targets give
-one table; the JSON is then keyed by target name (flat for a single target).
+every image evaluated (with several targets, EMB.<target>.npz each). Several targets
+(of any kinds: --pairs, --bin, --reid, --ijb together) give a table per kind; the JSON is
+then keyed by target name (flat for a single target). Each kind is a protocol
+(recognition/evaluation/protocols/), whose flags are its own; every flag is checked, and
+every problem said, before any model is loaded.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from recognition.compat import torch_version_error
-from recognition.config import ConfigError, EvalTarget, load_config, parse_image_size
+from recognition.config import ConfigError, load_config, parse_image_size
+from recognition.evaluation.protocols import Protocol, path_problem, protocol_class, protocol_for
+from recognition.registry import PROTOCOLS
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,8 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     _add_source_args(parser)
-    _add_reid_args(parser)
-    _add_ijb_args(parser)
+    for kind in PROTOCOLS:  # each protocol's own flags (--pairs, --bin, --ijb ..., --reid)
+        protocol_class(kind).add_arguments(parser)
     _add_output_args(parser)
     _add_extraction_args(parser)
     _add_onnx_args(parser)
@@ -49,7 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _add_source_args(parser: argparse.ArgumentParser) -> None:
-    """What is evaluated: a model or stored embeddings, and on which pairs, .bin or re-id set."""
+    """What is evaluated: a model or stored embeddings."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
         "--checkpoint",
@@ -58,97 +63,6 @@ def _add_source_args(parser: argparse.ArgumentParser) -> None:
         "dict; an .onnx model",
     )
     source.add_argument("--embeddings", type=Path, help=".npz with embeddings and paths")
-    parser.add_argument("--pairs", type=Path, help="LFW-format pairs file")
-    parser.add_argument(
-        "--images",
-        type=Path,
-        help="folder the pairs' image names resolve in (default: the pairs' folder); "
-        "without --pairs, with --export-embeddings: embed every image under it",
-    )
-    parser.add_argument(
-        "--bin",
-        type=Path,
-        action="append",
-        default=[],
-        metavar="FILE.bin",
-        help="insightface verification set (lfw.bin, cfp_fp.bin, ...); may be repeated",
-    )
-    parser.add_argument(
-        "--reid",
-        type=Path,
-        nargs="?",
-        const=Path("."),
-        metavar="ROOT",
-        help="re-id ranking (CMC, mAP, mINP) on a re-id data set: Market-1501's (or "
-        "DukeMTMC-reID's) ROOT/query and ROOT/bounding_box_test, MSMT17's list files, "
-        "CUHK03's new-protocol split; with --embeddings of a Market-1501 layout no ROOT is "
-        "needed",
-    )
-
-
-def _add_reid_args(parser: argparse.ArgumentParser) -> None:
-    """The re-id ranking's options (--reid): k-reciprocal re-ranking, CUHK03's boxes."""
-    parser.add_argument(
-        "--rerank",
-        action="store_true",
-        help="rank by the k-reciprocal re-ranked distance (Zhong et al. 2017)",
-    )
-    parser.add_argument("--rerank-k1", type=int, metavar="K1", help="re-ranking's k1 (default 20)")
-    parser.add_argument("--rerank-k2", type=int, metavar="K2", help="re-ranking's k2 (default 6)")
-    parser.add_argument(
-        "--rerank-lambda", type=float, metavar="L", help="re-ranking's lambda (default 0.3)"
-    )
-    parser.add_argument(
-        "--cuhk03-boxes",
-        choices=["labeled", "detected"],
-        default="labeled",
-        help="CUHK03: the split of the hand-labeled boxes or of the detected ones",
-    )
-
-
-def _reid_options(args: argparse.Namespace) -> dict:
-    """evaluate_reid's keyword arguments from --rerank* and --cuhk03-boxes (flags checked)."""
-    from recognition.evaluation.rerank import RerankParams
-
-    flags = (("k1", args.rerank_k1), ("k2", args.rerank_k2), ("lambda_value", args.rerank_lambda))
-    given = {name: value for name, value in flags if value is not None}
-    if args.reid is None and (args.rerank or given):
-        raise ValueError("--rerank: re-ranks the re-id ranking; use it with --reid")
-    if given and not args.rerank:
-        flag = "--rerank-" + next(iter(given)).replace("_value", "")
-        raise ValueError(f"{flag}: only with --rerank")
-    rerank = RerankParams(**given) if args.rerank else None
-    return {"rerank": rerank, "cuhk03_boxes": args.cuhk03_boxes}
-
-
-def _add_ijb_args(parser: argparse.ArgumentParser) -> None:
-    """The IJB-B/C modes (--ijb ...)."""
-    parser.add_argument(
-        "--ijb",
-        type=Path,
-        metavar="ROOT",
-        help="IJB-B/C templates on ROOT/meta and ROOT/loose_crop (see --ijb-mode)",
-    )
-    parser.add_argument("--ijb-name", choices=["ijbb", "ijbc"], help="which IJB set ROOT holds")
-    parser.add_argument(
-        "--ijb-mode",
-        choices=["11", "1n"],
-        default="11",
-        help="11: 1:1 template verification (TAR@FAR); 1n: 1:N identification of the mixed "
-        "probes in galleries G1/G2 (S1/S2 for IJB-B): CMC and TPIR@FPIR",
-    )
-    parser.add_argument(
-        "--ijb-score-weight",
-        action="store_true",
-        help="weigh each image's feature by its detector score before pooling",
-    )
-    parser.add_argument(
-        "--save-features",
-        type=Path,
-        metavar="F.npz",
-        help="with --ijb: the image features are read from F.npz when it exists (no model "
-        "runs), else computed and written there; one file serves both --ijb-modes",
-    )
 
 
 def _add_output_args(parser: argparse.ArgumentParser) -> None:
@@ -170,18 +84,11 @@ def _add_output_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_extraction_args(parser: argparse.ArgumentParser) -> None:
-    """How the embeddings are made: input size, crop, batch, flip, device, workers."""
+    """How the embeddings are made: input size, batch, flip, device, workers."""
     parser.add_argument(
         "--image-size",
         metavar="N|HxW",
         help="input size, a square side or HxW such as 256x128 (default: the checkpoint's)",
-    )
-    parser.add_argument(
-        "--crop",
-        type=int,
-        metavar="PIXELS",
-        help="centre square cut from each original image before resizing (e.g. 150 for "
-        "LFW's 250x250 photos)",
     )
     parser.add_argument(
         "--xnorm", action="store_true", help="also report the mean norm of the raw embeddings"
@@ -224,36 +131,21 @@ def _channel_values(text: str) -> tuple[float, float, float]:
     return values * 3 if len(values) == 1 else values
 
 
-def _onnx_input(args: argparse.Namespace):
-    """The --onnx-* flags as an OnnxInput; None when none is given (the default)."""
-    from recognition.evaluation.onnx_model import OnnxInput
-
-    if args.onnx_mean is None and args.onnx_std is None and not args.onnx_bgr:
-        return None
-    default = OnnxInput()
-    return OnnxInput(args.onnx_mean or default.mean, args.onnx_std or default.std, args.onnx_bgr)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if (version_error := torch_version_error()) is not None:
         print(f"error: {version_error}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # Every problem of the flags at once, before a model or a file is read.
+    if problems := argument_problems(args):
+        print("\n".join(f"error: {problem}" for problem in problems), file=sys.stderr)
+        return 1
     try:
         image_size = None
         if args.image_size is not None:
             image_size = parse_image_size(args.image_size, "--image-size")
-        if args.rerank or (args.rerank_k1, args.rerank_k2, args.rerank_lambda) != (None,) * 3:
-            _reid_options(args)  # a --rerank flag out of place stops before any work
-        if args.ijb is not None:
-            return _ijb(args, image_size)
-        if args.embeddings is not None:
-            results = _from_embeddings(args)
-        else:
-            results = _from_checkpoint(args, image_size)
-        if results is not None:
-            _report(args, results)
+        _evaluate(args, image_size)
     except (ConfigError, ValueError, OSError) as exc:
         from recognition.data.workers import error_message
 
@@ -262,175 +154,143 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _from_checkpoint(
-    args: argparse.Namespace, image_size_arg: tuple[int, int] | None
-) -> dict[str, dict] | None:
-    """Results of a checkpoint's backbone on the command line's targets (or its run's, or
-    re-id); None when it only wrote the embeddings of an image folder."""
-    from recognition.distributed import pick_device
-    from recognition.evaluation import reid, run
-    from recognition.evaluation.embeddings import Extraction
-    from recognition.evaluation.onnx_model import load_model
+def argument_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the flags alone, a line each: sizes and counts, a flag without the
+    one it needs, a flag the evaluation would not use, an output path that is a folder."""
+    problems = []
+    for kind in PROTOCOLS:
+        problems += protocol_class(kind).problems(args)
+    if args.image_size is not None:
+        try:
+            parse_image_size(args.image_size, "--image-size")
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if args.batch_size < 1:
+        problems.append(f"--batch-size: must be at least 1, got {args.batch_size}")
+    if args.workers < 0:
+        problems.append(f"--workers: must be 0 or more, got {args.workers}")
+    protocols = [protocol_for(t) for kind in PROTOCOLS for t in protocol_class(kind).targets(args)]
+    if args.embeddings is not None:
+        problems += _embeddings_problems(args, protocols)
+    if args.images is not None and args.pairs is None and args.export_embeddings is None:
+        problems.append("--images: with --pairs, or with --export-embeddings (embed a folder)")
+    if args.roc is not None and args.reid is not None and not any(p.has_roc for p in protocols):
+        problems.append("--roc: only verification (--pairs, --bin) and IJB 1:1 draw a ROC")
+    for path, flag in ((args.json, "--json"), (args.roc, "--roc")):
+        problems += [p for p in [path_problem(path, flag)] if p]  # found now, not hours later
+    return problems
 
-    checkpoint, targets = _checkpoint_and_targets(args)
-    device = pick_device(args.device)
-    backbone, image_size = load_model(checkpoint, device, _onnx_input(args))
-    extraction = Extraction(args.batch_size, not args.no_flip, device, args.workers)
-    _check_image_size(backbone, image_size_arg)
-    image_size = image_size_arg or image_size
-    if args.reid is not None:
-        name = args.reid.resolve().name
-        options = _reid_options(args)
-        return {
-            name: reid.evaluate_reid(
-                backbone,
-                args.reid,
-                image_size,
-                extraction,
-                export_path=args.export_embeddings,
-                **options,
-            )
-        }
-    if not targets and args.images is not None and args.export_embeddings:
+
+def _embeddings_problems(args: argparse.Namespace, protocols: list[Protocol]) -> list[str]:
+    """What --embeddings cannot do: no target, a target that needs a model, model flags."""
+    problems = [
+        f"--embeddings: a {p.kind} target needs a model (--checkpoint)"
+        for p in protocols
+        if type(p).from_embeddings is Protocol.from_embeddings
+    ]
+    if not protocols:
+        problems.append("--embeddings needs --pairs (or --reid)")
+    problems += [
+        f"{flag}: the embeddings are made already; --embeddings takes no {flag}"
+        for flag, given in (
+            ("--image-size", args.image_size is not None),
+            ("--export-embeddings", args.export_embeddings is not None),
+        )
+        if given
+    ]
+    return problems
+
+
+def _evaluate(args: argparse.Namespace, image_size_arg: tuple[int, int] | int | None) -> None:
+    """The results of the command line's targets (or the run's), reported; or an image
+    folder's embeddings written."""
+    from recognition.evaluation.protocols import evaluate_protocols, report
+
+    options = {kind: protocol_class(kind).options(args) for kind in PROTOCOLS}
+    targets = [t for kind in PROTOCOLS for t in protocol_class(kind).targets(args)]
+    if args.embeddings is not None:
+        from recognition.evaluation.embeddings import load_embeddings
+
+        protocols = [protocol_for(t, **options[t.kind]) for t in targets]
+        embeddings, paths = load_embeddings(args.embeddings)
+        results = {p.name: p.from_embeddings(embeddings, paths) for p in protocols}
+        report(protocols, results, json_path=args.json, roc_path=args.roc, flat_json=True)
+        return
+    protocols = [protocol_for(t, **options[t.kind]) for t in targets]
+    checkpoint = args.checkpoint
+    if checkpoint is None and (not protocols or any(p.needs_model for p in protocols)):
+        checkpoint, run_targets = _last_run(args)
+        if not protocols:
+            protocols = [protocol_for(t, **options[t.kind]) for t in run_targets]
+    backbone, image_size, extraction = _model(args, checkpoint, protocols, image_size_arg)
+    if not protocols and args.images is not None and args.export_embeddings:
+        from recognition.evaluation.embeddings import export_folder
+
         # An image folder and nothing to verify: embeddings only.
-        run.export_folder(
+        export_folder(
             backbone, args.images, args.export_embeddings, image_size, extraction, crop=args.crop
         )
-        return None
-    if not targets:
-        raise ValueError("nothing to evaluate: pass --pairs (and --images), --bin or --reid")
-    return run.evaluate_targets(
+        return
+    if not protocols:
+        raise ValueError("nothing to evaluate: pass --pairs (and --images), --bin, --reid or --ijb")
+    results = evaluate_protocols(
         backbone,
-        targets,
+        protocols,
         image_size,
         extraction,
         export_path=args.export_embeddings,
         xnorm=args.xnorm,
     )
+    report(protocols, results, json_path=args.json, roc_path=args.roc, flat_json=True)
 
 
-def _checkpoint_and_targets(args: argparse.Namespace) -> tuple[Path, list[EvalTarget] | None]:
-    """--checkpoint and the targets named on the command line; without --checkpoint, the
-    last run of --config (its run directory, runs/<name> or its output_dir): its backbone
-    export and (unless targets are named) what it verified on, by the config.yaml it saved:
-    its eval.targets, else its data's held-out identities (the synthetic set's pairs, or
-    the pairs of the identities eval.holdout kept out, in the run directory)."""
-    from recognition.evaluation.run import run_targets
+def _model(
+    args: argparse.Namespace,
+    checkpoint: Path | None,
+    protocols: list[Protocol],
+    image_size_arg: tuple[int, int] | int | None,
+):
+    """(backbone or None, input size, Extraction): the model is loaded when a protocol
+    needs it (IJB finds its own, or reads cached features)."""
+    from recognition.distributed import pick_device
+    from recognition.evaluation.embeddings import Extraction
+    from recognition.evaluation.onnx_model import load_model
+    from recognition.evaluation.protocols import onnx_input
 
-    checkpoint, targets = args.checkpoint, None
-    if checkpoint is None:
-        cfg = load_config(args.config)
-        if (cfg.run_dir / "config.yaml").is_file():
-            cfg = load_config(str(cfg.run_dir / "config.yaml"))
-        checkpoint = cfg.run_dir / "backbone.pt"
-        if not checkpoint.is_file():
-            raise FileNotFoundError(
-                f"{checkpoint}: no trained backbone yet; run `python train.py "
-                f"--config {args.config}` first, or pass --checkpoint"
-            )
-        targets = run_targets(cfg)
-    return checkpoint, _targets(args) or targets
+    device = pick_device(args.device)
+    extraction = Extraction(args.batch_size, not args.no_flip, device, args.workers)
+    if checkpoint is None or (protocols and not any(p.needs_model for p in protocols)):
+        return None, image_size_arg, extraction
+    backbone, image_size = load_model(checkpoint, device, onnx_input(args))
+    _check_image_size(backbone, image_size_arg)
+    return backbone, image_size_arg or image_size, extraction
 
 
-def _report(args: argparse.Namespace, results: dict[str, dict]) -> None:
-    """Print the table of ``results``; write --json (and --roc for verification)."""
-    from recognition.evaluation import reid, run
+def _last_run(args: argparse.Namespace) -> tuple[Path, list]:
+    """The last run of --config (its run directory, runs/<name> or its output_dir): its
+    backbone export and what it verified on, by the config.yaml it saved: its eval.targets,
+    else its data's held-out identities (the synthetic set's pairs, or the pairs of the
+    identities eval.holdout kept out, in the run directory)."""
+    from recognition.evaluation.targets import run_targets
 
-    if args.reid is not None:
-        reid.report_reid(results, json_path=args.json)
-    else:
-        run.report(results, json_path=args.json, roc_path=args.roc, flat_json=True)
+    cfg = load_config(args.config)
+    if (cfg.run_dir / "config.yaml").is_file():
+        cfg = load_config(str(cfg.run_dir / "config.yaml"))
+    checkpoint = cfg.run_dir / "backbone.pt"
+    if not checkpoint.is_file():
+        raise FileNotFoundError(
+            f"{checkpoint}: no trained backbone yet; run `python train.py "
+            f"--config {args.config}` first, or pass --checkpoint"
+        )
+    return checkpoint, run_targets(cfg)
 
 
 def _check_image_size(backbone: nn.Module, image_size: int | tuple[int, int] | None) -> None:
     """Refuse an --image-size that a backbone built for one input size cannot take (IResNet:
     its fc layer is sized for the map of its own input size), naming the flag."""
-    from recognition.config import image_size_pair
+    from recognition.models import check_input_size
 
-    fixed = getattr(backbone, "image_size", None)
-    if image_size is None or fixed is None:
-        return
-    height, width = image_size_pair(image_size)
-    if (height, width) != tuple(fixed):
-        raise ValueError(
-            f"--image-size {height}x{width}: this checkpoint's backbone takes "
-            f"{fixed[0]}x{fixed[1]} images only (its layers are sized for them); leave "
-            "--image-size out"
-        )
-
-
-def _ijb(args: argparse.Namespace, image_size: tuple[int, int] | None) -> int:
-    """IJB-B/C verification or identification (--ijb): the table, and JSON / ROC when asked."""
-    from recognition.distributed import pick_device
-    from recognition.evaluation.ijb.report import report_ijb, report_search
-    from recognition.evaluation.ijb.search import evaluate_ijb_search
-    from recognition.evaluation.ijb.verification import evaluate_ijb
-
-    _check_ijb_args(args)
-    evaluate_mode = evaluate_ijb_search if args.ijb_mode == "1n" else evaluate_ijb
-    results = evaluate_mode(
-        args.ijb,
-        args.ijb_name,
-        checkpoint=args.checkpoint,
-        features_path=args.save_features,
-        image_size=image_size,
-        score_weight=args.ijb_score_weight,
-        batch_size=args.batch_size,
-        flip=not args.no_flip,
-        device=pick_device(args.device),
-        num_workers=args.workers,
-        onnx_input=_onnx_input(args),
-    )
-    if args.ijb_mode == "1n":
-        report_search(results, json_path=args.json)
-    else:
-        report_ijb(results, json_path=args.json, roc_path=args.roc)
-    return 0
-
-
-def _check_ijb_args(args: argparse.Namespace) -> None:
-    """Refuse flags --ijb does not take, or output paths it could not write, before any work."""
-    if args.embeddings is not None or args.pairs or args.bin or args.reid is not None:
-        raise ValueError("--ijb: takes --checkpoint, not --embeddings, --pairs, --bin or --reid")
-    if args.ijb_name is None:
-        raise ValueError("--ijb: needs --ijb-name ijbb or ijbc")
-    if args.ijb_mode == "1n" and args.roc is not None:
-        raise ValueError("--roc: the 1:1 mode's curve; --ijb-mode 1n has none")
-    for path, flag in ((args.json, "--json"), (args.roc, "--roc")):
-        # Found now, not after hours of extraction.
-        if path is not None and path.is_dir():
-            raise ValueError(f"{flag}: {path} is a folder")
-
-
-def _targets(args: argparse.Namespace) -> list[EvalTarget]:
-    """The verification targets named on the command line, in order: --pairs, then --bin."""
-    targets = []
-    if args.pairs is not None:
-        images = str(args.images) if args.images else None
-        targets.append(EvalTarget(pairs=str(args.pairs), images=images, crop=args.crop))
-    targets += [EvalTarget(bin=str(path), crop=args.crop) for path in args.bin]
-    return targets
-
-
-def _from_embeddings(args: argparse.Namespace) -> dict[str, dict]:
-    """Results computed from an embeddings file alone (pairs verification or re-id)."""
-    from recognition.data.pairs import load_pairs
-    from recognition.evaluation import reid
-    from recognition.evaluation.embeddings import index_paths, load_embeddings, verify_pairs
-
-    embeddings, paths = load_embeddings(args.embeddings)
-    if args.reid is not None:
-        # --reid alone: Market-1501's names; --reid ROOT: the data set's lists.
-        root = None if args.reid == Path(".") else args.reid
-        return {
-            args.embeddings.stem: reid.reid_from_embeddings(
-                embeddings, paths, str(args.embeddings), root=root, **_reid_options(args)
-            )
-        }
-    if args.pairs is None:
-        raise ValueError("--embeddings needs --pairs (or --reid)")
-    name = EvalTarget(pairs=str(args.pairs)).label
-    return {name: verify_pairs(embeddings, index_paths(paths), load_pairs(args.pairs))}
+    check_input_size(backbone, image_size, "--image-size")
 
 
 if __name__ == "__main__":

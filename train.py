@@ -1,6 +1,7 @@
 """Train a recognition model: `python train.py [--config NAME_OR_PATH] [key=value ...]`.
 
-`--show-config` prints the config that would run (YAML, each key with its doc) and exits.
+`--show-config` prints the config that would run (YAML, each key with the file that set it
+and its doc) and exits.
 
 Runs on one process as is, or on N with `torchrun --nproc_per_node N train.py ...` (and on
 several machines with torchrun's rendezvous options; docs/distributed.md). With `--plan
@@ -17,13 +18,16 @@ import sys
 import time
 
 from recognition.compat import torch_version_error
-from recognition.config import ConfigError, load_config
+from recognition.config import ConfigError, ExperimentConfig, load_config_sources
 
 # Seconds a rank > 0 waits before leaving on an error every rank met, so that rank 0 says it
 # before torchrun stops the job.
 REPLICA_GRACE_S = 2.0
 # When this process began to run train.py (the exit line says how long ago).
 STARTED = time.monotonic()
+# What --plan plans for without --gpus / --gpu-memory: one machine of 8 80 GiB GPUs.
+PLAN_GPUS = 8
+PLAN_GPU_MEMORY_GIB = 80.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,8 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
         "--config",
-        default="default",
-        help="a name in configs/ (default: default) or a path to a YAML file",
+        help="a name in configs/ or a path to a YAML file (default: default, the built-in run)",
     )
     parser.add_argument(
         "--plan",
@@ -40,14 +43,22 @@ def _parser() -> argparse.ArgumentParser:
         help="plan the run on this CPU instead of training: each rank's memory and step-time "
         "bound, whether it fits, the largest batch and class count that fit",
     )
-    parser.add_argument("--gpus", type=int, default=8, help="with --plan: GPUs (world size)")
     parser.add_argument(
-        "--gpu-memory", type=float, default=80.0, help="with --plan: GiB of memory per GPU"
+        "--gpus",
+        type=int,
+        metavar="N",
+        help=f"with --plan: the number of GPUs, the world size (default: {PLAN_GPUS})",
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        type=float,
+        metavar="GIB",
+        help=f"with --plan: GiB of memory per GPU (default: {PLAN_GPU_MEMORY_GIB:g})",
     )
     parser.add_argument(
         "--classes",
         type=int,
-        default=None,
+        metavar="N",
         help="with --plan: the class count (default: the data set's, which must be here)",
     )
     parser.add_argument(
@@ -72,27 +83,30 @@ def main(argv: list[str] | None = None) -> int:
     if (version_error := torch_version_error()) is not None:
         print(f"error: {version_error}", file=sys.stderr)
         return 2
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+    loaded = _checked_config(args)
+    if loaded is None:
         return 2
+    cfg, sources = loaded
 
     if args.show_config:
         from recognition.config.reference import show_config
 
-        print(show_config(cfg, " ".join(["--config", args.config, *args.overrides])), end="")
+        command = " ".join(["--config", args.config or "default", *args.overrides])
+        print(show_config(cfg, command, sources), end="")
         return 0
 
     if args.plan:
-        from recognition.training.plan_report import run_plan_command
+        from recognition.training.plan.report import run_plan_command
 
         return run_plan_command(
-            cfg, gpus=args.gpus, gpu_memory_gib=args.gpu_memory, num_classes=args.classes
+            cfg,
+            gpus=args.gpus or PLAN_GPUS,
+            gpu_memory_gib=args.gpu_memory or PLAN_GPU_MEMORY_GIB,
+            num_classes=args.classes,
         )
 
     # Before torch is imported or anything made: missing inputs are said in a second or two.
-    from recognition.preflight import InputError, input_problems
+    from recognition.preflight import InputError, input_problems, toy_on_own_data
 
     rank = int(os.environ.get("RANK", "0"))
     if problems := input_problems(cfg):
@@ -101,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             time.sleep(REPLICA_GRACE_S)  # rank 0 says it
         return 1
+    if args.config is None and toy_on_own_data(cfg, args.overrides):
+        if (advice := _gpu_recipe_advice(cfg)) is not None:
+            if rank == 0:
+                print(f"error: {advice}", file=sys.stderr)
+            return 2
 
     from recognition.data.workers import error_message
     from recognition.distributed import is_collective_failure
@@ -144,6 +163,60 @@ def _log_exit(status: int) -> None:
     so the time from this line to the process's end is the interpreter's own teardown."""
     logging.getLogger("recognition.train").info(
         "exiting with status %d, %.1f s after train.py started", status, time.monotonic() - STARTED
+    )
+
+
+def _checked_config(args: argparse.Namespace) -> tuple[ExperimentConfig, dict[str, str]] | None:
+    """The config and what set each key (`load_config_sources`); None after printing every
+    problem of the flags and the config at once, a line each."""
+    problems = [f"error: {problem}" for problem in flag_problems(args)]
+    loaded = None
+    try:
+        loaded = load_config_sources(args.config or "default", args.overrides)
+    except ConfigError as exc:
+        problems += [f"config error: {line}" for line in str(exc).splitlines()]
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        return None
+    return loaded
+
+
+def flag_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the flags alone, a line each: a flag without the flag it belongs to,
+    two that exclude each other, a count below 1."""
+    problems = []
+    planning = {"--gpus": args.gpus, "--gpu-memory": args.gpu_memory, "--classes": args.classes}
+    for flag, value in planning.items():
+        if value is not None and not args.plan:
+            problems.append(
+                f"{flag}: only with --plan (it sizes the planned run; training "
+                "takes its GPUs from torchrun and its classes from data.root)"
+            )
+        elif value is not None and not value > 0:
+            problems.append(f"{flag}: must be positive, got {value:g}")
+    if args.plan and args.show_config:
+        problems.append(
+            "--show-config and --plan: one at a time (--show-config prints the config "
+            "--plan would plan, and exits)"
+        )
+    return problems
+
+
+def _gpu_recipe_advice(cfg: ExperimentConfig) -> str | None:
+    """On a GPU (what train.device=auto picks): the one line that names the config for an
+    image folder of one's own; None on a CPU, where the built-in toy is the right model."""
+    from recognition.distributed import pick_device
+
+    try:
+        if pick_device(cfg.train.device).type != "cuda":
+            return None
+    except ValueError:  # train.device=cuda without a GPU: the run says so itself
+        return None
+    root = cfg.data.root
+    return (
+        f"data.root={root} on a GPU: the built-in config trains its CPU toy (IResNet-18 at "
+        f"width 1/8, 48x48); on this GPU run `python train.py --config folder data.root={root}` "
+        "(IResNet-50, 112x112, O1 bf16), or add --config default to train the toy anyway"
     )
 
 

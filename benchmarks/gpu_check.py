@@ -5,7 +5,8 @@
     python -m benchmarks.gpu_check --only head training  # some sections (the others: skipped)
     python -m benchmarks.gpu_check --smoke               # on a CPU: tiny sizes, about a minute
 
-Sections, in order of value (benchmarks/gpu_sections.py and, for the throughput, benchmarks/gpu_throughput.py measure them):
+Sections, in order of value (benchmarks/gpu_sections.py measures them, and
+benchmarks/gpu_throughput.py the throughput):
 
 1. tests       the suite's CUDA tests (`pytest -m cuda`: helpers.needs_cuda), `auto` meaning
                the GPU inside them, the steady-state steps under

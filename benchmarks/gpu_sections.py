@@ -232,9 +232,9 @@ def _tile_rows(run: SectionRun) -> None:
     if not run.gpu:
         run.skip("tiles chosen by timing", "on a GPU only (the interpreter is not tuned)")
         return
-    from recognition.heads import tuning
+    from recognition.heads.tuning.measure import TuningCache
 
-    entries = [e for e in tuning.TuningCache().entries("tiles")
+    entries = [e for e in TuningCache().entries("tiles")
                if e["key"].get("device") == run.info["device"]]  # fmt: skip
     run.notes["tiles"] = entries
     for entry in entries:

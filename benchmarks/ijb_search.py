@@ -9,7 +9,7 @@ subject. The gallery is split like IJB-C's (G1 1,750 and G2 1,750 templates, one
 each, disjoint); every probe's subject is enrolled in one of them, so each gallery sees
 about half its probes mated and half non-mated. For each thread count it times, per run:
 
-    search   recognition.evaluation.ijb_search.search_gallery on G1 and on G2 (blocks of
+    search   recognition.evaluation.ijb.search.search_gallery on G1 and on G2 (blocks of
              probes: one matmul each, top-10, mate score and rank)
     metrics  identification_metrics of both (CMC rank-1/5/10, TPIR at FPIR 1e-2 and 1e-1)
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from benchmarks import timing
 from benchmarks.table import print_table
-from recognition.evaluation.ijb_search import identification_metrics, search_gallery
+from recognition.evaluation.ijb.search import identification_metrics, search_gallery
 
 
 def make_problem(

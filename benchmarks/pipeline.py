@@ -186,7 +186,8 @@ def _one_device(case: Case, device: torch.device) -> dict[str, Any]:
     base = _memory_now(device)
     backbone = backbone_from_config(model_config(case, 1), case.image_hw)
     backbone = backbone.to(device, memory_format=_fmt(device))
-    head = build_head(HeadConfig(), case.num_classes, case.embedding_size, seed=0, device=device)
+    head_cfg = HeadConfig(margin="arcface", scale=None, m=None)
+    head = build_head(head_cfg, case.num_classes, case.embedding_size, seed=0, device=device)
     precision = _precision(case, device)
     precision.prepare(backbone, head)
     optimizer = _optimizer(precision, [backbone, head])
@@ -218,7 +219,8 @@ def _pipelined(case: Case, rank: int, world: int, device: torch.device) -> dict[
     head = None
     if layout.is_last:
         head = build_head(
-            HeadConfig(), case.num_classes, case.embedding_size, seed=0, device=device,
+            HeadConfig(margin="arcface", scale=None, m=None), case.num_classes,
+            case.embedding_size, seed=0, device=device,
             group=layout.dp_group,
         )  # fmt: skip
     precision = _precision(case, device)

@@ -7,7 +7,7 @@
 For each case (world size, precision, head chunking, classes, accumulation, pipeline
 stages and schedule) and each rank: the plan (`recognition.training.plan.plan_rank`, fake
 tensors, bytes as the CPU allocator counts them: granularity 1) and the measurement
-(`plan_check.measure_rank`: the same parts built on real tensors, real DDP and pipelines
+(`plan.check.measure_rank`: the same parts built on real tensors, real DDP and pipelines
 over gloo for several ranks, the peak of the CPU allocator over the second of two steps,
 from torch.profiler's memory events). The plans run in this process (which holds no
 process group: the planner makes a fake one), the measurements in fresh processes, one
@@ -83,7 +83,7 @@ def describe(overrides: list[str]) -> str:
 def _measure(rank: int, world: int, port: int, out: str, classes: int, overrides: list) -> None:
     from recognition.config import load_config
     from recognition.distributed import DistInfo
-    from recognition.training.plan_check import measure_rank
+    from recognition.training.plan.check import measure_rank
 
     result: dict[str, object] = {}
     try:

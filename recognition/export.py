@@ -172,7 +172,9 @@ def export_arcface_torch(backbone: nn.Module, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m recognition.export",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--checkpoint", type=Path, required=True, help="backbone.pt or a checkpoint"
@@ -190,14 +192,58 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N|HxW",
         help="input size, a square side or HxW such as 256x128 (default: the checkpoint's)",
     )
-    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET)
     parser.add_argument(
-        "--no-check", action="store_true", help="skip the onnxruntime comparison with PyTorch"
+        "--opset", type=int, help=f"with --onnx: the ONNX opset (default: {DEFAULT_OPSET})"
+    )
+    parser.add_argument(
+        "--no-check",
+        action="store_true",
+        help="with --onnx: skip the onnxruntime comparison with PyTorch",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # Every problem of the flags at once, before the checkpoint is read.
+    if problems := argument_problems(args):
+        print("\n".join(f"error: {problem}" for problem in problems), file=sys.stderr)
+        return 1
+    return _export(args)
+
+
+def argument_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the export's flags alone, a line each: the input size (N or HxW,
+    as train.py's data.image_size and evaluate.py's --image-size take it), the flags that
+    belong to --onnx, an output path that is a folder."""
+    from recognition.config import ConfigError, parse_image_size
+
+    problems = []
+    if args.image_size is not None:
+        try:
+            parse_image_size(args.image_size, "--image-size")
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if args.arcface_torch is not None:
+        onnx_only = [
+            ("--image-size", args.image_size is not None),
+            ("--opset", args.opset is not None),
+            ("--no-check", args.no_check),
+        ]
+        problems += [
+            f"{flag}: only with --onnx (arcface_torch's state dict has no input size, opset "
+            "or check)"
+            for flag, given in onnx_only
+            if given
+        ]
+    out = args.onnx if args.onnx is not None else args.arcface_torch
+    if out.is_dir():
+        problems.append(f"{'--onnx' if args.onnx else '--arcface-torch'}: {out} is a folder")
+    return problems
+
+
+def _export(args: argparse.Namespace) -> int:
+    """Read the checkpoint and write the file the flags ask for; 1 on an error (one line)."""
     from recognition.checkpoint import load_backbone
     from recognition.config import parse_image_size
+    from recognition.models import check_input_size
 
     try:
         image_size_arg = None
@@ -207,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.arcface_torch is not None:
             export_arcface_torch(backbone, args.arcface_torch)
             return 0
+        check_input_size(backbone, image_size_arg, "--image-size")
         image_size = image_size_arg or image_size
-        export_onnx(backbone, args.onnx, image_size, opset=args.opset)
+        export_onnx(backbone, args.onnx, image_size, opset=args.opset or DEFAULT_OPSET)
         height, width = image_size_pair(image_size)
         log.info("wrote %s (input images: batch x 3 x %d x %d)", args.onnx, height, width)
         if not args.no_check:

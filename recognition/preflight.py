@@ -11,13 +11,14 @@ a checkpoint's contents) is checked where it is read, as early as it can be.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
 from recognition.config import EvalTarget, ExperimentConfig
 from recognition.config.experiment import lies_in
 from recognition.data.formats import resolve_format
-from recognition.data.pairs import load_pairs, resolve_images
+from recognition.registry import PROTOCOLS, load
 
 
 class InputError(ValueError):
@@ -61,6 +62,14 @@ def input_problems(cfg: ExperimentConfig) -> list[str]:
             f"train.teacher: {teacher} does not exist (a backbone file, a training checkpoint "
             "directory or an .onnx model)"
         )
+    for i, code in enumerate(cfg.train.hooks):
+        module = code.partition(":")[0]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a parent package is not there either
+            found = False
+        if not found:
+            problems.append(f"train.hooks[{i}]: no module {module!r} (for {code})")
     return problems
 
 
@@ -69,20 +78,20 @@ def awaits_generation(cfg: ExperimentConfig, target: EvalTarget) -> bool:
     use: not checked here, but once the set is made (`check_training_targets`)."""
     if not cfg.data.synthetic.enabled:
         return False
-    files = [p for p in (target.pairs, target.images, target.bin) if p is not None]
+    files = [p for p in (*target_files(target), target.images) if p is not None]
     return any(lies_in(p, cfg.data.synthetic.root) for p in files)
 
 
+def target_files(target: EvalTarget) -> list[str]:
+    """The input of `target` (its pairs file, .bin or folder), as a list."""
+    return [getattr(target, target.kind)]
+
+
 def check_target(target: EvalTarget) -> None:
-    """Raise FileNotFoundError / ValueError (naming the file and line) when a target's
-    `.bin` is missing, or its pairs file is missing or malformed or names a missing image."""
-    if target.bin is not None:
-        if not Path(target.bin).is_file():
-            raise FileNotFoundError(f"eval target {target.label}: {target.bin} not found")
-        return
-    assert target.pairs is not None
-    pairs = load_pairs(target.pairs)
-    resolve_images(pairs, Path(target.images) if target.images else Path(target.pairs).parent)
+    """Raise FileNotFoundError / ValueError (naming the file and line) when a target's inputs
+    are missing or malformed (its protocol's `check`: a `.bin` missing, a pairs file missing
+    or malformed or naming a missing image, an IJB or re-id folder missing ...)."""
+    load(PROTOCOLS, target.kind, "eval.targets")(target).check()
 
 
 def _output_dir_problem(run_dir: Path) -> str | None:
@@ -98,3 +107,15 @@ def _output_dir_problem(run_dir: Path) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"output_dir: cannot write the run directory {run_dir}: {existing} is not writable"
     return None
+
+
+# The keys that make the built-in run's model something else than its CPU toy.
+MODEL_KEYS = ("model.", "data.image_size")
+
+
+def toy_on_own_data(cfg: ExperimentConfig, overrides: list[str]) -> bool:
+    """Whether `cfg` (the built-in config with `overrides`) trains the built-in CPU toy model
+    on data of one's own: data.root outside the synthetic set, and neither the model nor the
+    input size overridden."""
+    keys = [item.partition("=")[0].strip() for item in overrides]
+    return not cfg.trains_on_synthetic and not any(k.startswith(MODEL_KEYS) for k in keys)

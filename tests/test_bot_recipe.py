@@ -70,7 +70,7 @@ def test_its_plan_matches_the_allocator():
     """The planner's peak of the recipe's step (label smoothing, the triplet loss on the BN
     neck's input, Adam) against the CPU allocator's peak of the same step, within 5 %."""
     from recognition.training.plan import plan_rank
-    from recognition.training.plan_check import measure_rank
+    from recognition.training.plan.check import measure_rank
 
     cfg = load_config("market1501_bot", [*TINY, "data.root=/nonexistent", "eval.targets=[]"])
     plan = plan_rank(cfg, 751, 1, 0, granularity=1)

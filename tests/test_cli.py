@@ -147,3 +147,63 @@ def test_torch_below_the_minimum_is_one_line_at_start_up(monkeypatch, capsys):
     assert train.main([]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "torch 2.9.0 is installed" in err
+
+
+# ---- flags checked before work, and the config for one's own faces (issue 39) ----------
+
+
+@pytest.fixture
+def trains(monkeypatch):
+    """train.py's `train()` replaced by a recorder: the configs it would have trained."""
+    import recognition.training
+
+    runs = []
+    monkeypatch.setattr(recognition.training, "train", lambda cfg, **_: runs.append(cfg))
+    return runs
+
+
+def test_plan_flags_without_plan_are_refused_with_every_problem(trains, capsys):
+    argv = ["--gpus", "4", "--classes", "10", "--gpu-memory", "40", "head.margin=foo"]
+    assert train.main(argv) == 2
+    lines = capsys.readouterr().err.splitlines()
+    named = sorted(line.split(": ")[1] for line in lines)  # "error: --gpus: only with --plan"
+    assert named == ["--classes", "--gpu-memory", "--gpus", "head.margin"], lines
+    assert trains == []
+
+
+def test_show_config_with_plan_is_refused(trains, capsys):
+    assert train.main(["--show-config", "--plan"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--show-config and --plan" in err
+
+
+@pytest.mark.parametrize("flag", ["--gpus", "--classes", "--gpu-memory"])
+def test_plan_counts_must_be_positive(flag, trains, capsys):
+    assert train.main(["--plan", flag, "0"]) == 2
+    assert f"{flag}: must be positive" in capsys.readouterr().err
+
+
+def test_own_faces_on_a_gpu_name_the_config_to_use(tmp_path, monkeypatch, trains, capsys):
+    import torch
+
+    faces = make_folder(tmp_path / "faces")
+    monkeypatch.delenv("RECOGNITION_AUTO_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    run = tmp_path / "run"
+    assert train.main([f"data.root={faces}", f"output_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"python train.py --config folder data.root={faces}" in err
+    assert trains == [] and not run.exists()
+    # Asked for by name, or with a model of one's own, the built-in config trains as told.
+    assert train.main(["--config", "default", f"data.root={faces}", f"output_dir={run}"]) == 0
+    assert train.main([f"data.root={faces}", "model.width=0.5", f"output_dir={run}"]) == 0
+    # On a CPU the built-in toy is the model to train.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert train.main([f"data.root={faces}", f"output_dir={run}"]) == 0
+    assert len(trains) == 3 and trains[1].model.width == 0.5
+
+
+def test_the_plan_flags_help_says_their_defaults():
+    text = " ".join(train._parser().format_help().split())
+    assert "the world size (default: 8)" in text and "GiB of memory per GPU (default: 80)" in text

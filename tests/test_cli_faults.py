@@ -190,6 +190,46 @@ def test_checkpoint_that_is_not_one_gets_no_unsafe_advice(tmp_path, capsys):
         assert "weights_only" not in line and "trust" not in line
 
 
+class _RunsCode:
+    """A pickle that would run `touch <marker>` when loaded unsafely."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_that_would_run_code_is_refused_as_such_everywhere(tmp_path, capsys):
+    # Through evaluate.py --checkpoint, train.init_backbone and the export: refused, nothing
+    # run, and the line says why (objects other than tensors), not "truncated".
+    from recognition.export import main as export_main
+
+    marker = tmp_path / "ran"
+    hostile = tmp_path / "backbone.pth"
+    torch.save({"conv1.weight": torch.zeros(1), "x": _RunsCode(marker)}, hostile)
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_text("1\t1\na\t1\t2\na\t1\tb\t1\n")
+    data = make_folder(tmp_path / "data")
+    runs = {
+        "evaluate": lambda: evaluate.main(["--checkpoint", str(hostile), "--pairs", str(pairs)]),
+        "init_backbone": lambda: train.main(
+            [*tiny_args(data, tmp_path / "run"), f"train.init_backbone={hostile}"]
+        ),
+        "export": lambda: export_main(
+            ["--checkpoint", str(hostile), "--onnx", str(tmp_path / "m.onnx")]
+        ),
+    }
+    for name, run in runs.items():
+        assert run() == 1, name
+        line = one_error_line(capsys.readouterr().err)
+        assert "holds Python objects other than tensors" in line, (name, line)
+        assert "posix.system" in line and "truncated" not in line, (name, line)
+    assert not marker.exists()
+
+
 def test_pairs_file_with_a_byte_order_mark_reads_as_without(tmp_path):
     text = "1\t1\nAda\t1\t2\nAda\t1\tBob\t3\n"
     plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"

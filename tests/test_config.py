@@ -191,3 +191,91 @@ def test_image_size_from_python_and_the_command_line():
     for text in ("big", "256x", "1x2x3", "8x8"):
         with pytest.raises(ConfigError, match="--image-size"):
             parse_image_size(text, "--image-size")
+
+
+# ---- what a newcomer trips on (issue 39): copied configs, one set of defaults ------------
+
+
+def test_a_copied_config_finds_its_base_in_configs(tmp_path):
+    # `cp configs/ms1m_arcface.yaml mine.yaml`: its `base: face_base` is not beside the copy.
+    mine = tmp_path / "mine.yaml"
+    mine.write_text((CONFIG_DIR / "ms1m_arcface.yaml").read_text())
+    copied = load_config(str(mine))
+    shipped = load_config("ms1m_arcface")
+    assert copied.name == "mine"
+    copied.name = shipped.name
+    assert copied == shipped
+    # A base beside the file still wins over the one of that name in configs/.
+    write(tmp_path / "face_base.yaml", {"model": {"backbone": "iresnet34"}})
+    assert load_config(str(mine)).model.backbone == "iresnet34"
+
+
+def test_a_missing_base_names_both_places_tried(tmp_path):
+    path = write(tmp_path / "mine.yaml", {"base": "no_such_base"})
+    with pytest.raises(ConfigError) as raised:
+        load_config(str(path))
+    message = str(raised.value)
+    assert str(tmp_path / "no_such_base.yaml") in message
+    assert str(CONFIG_DIR / "no_such_base.yaml") in message
+
+
+def test_a_config_without_base_is_the_built_in_run(tmp_path):
+    # One set of defaults: what a file that names no base gets is what `python train.py`
+    # (configs/default.yaml) runs, key for key.
+    bare = load_config(str(write(tmp_path / "default.yaml", {})))
+    assert bare == load_config("default")
+    assert ExperimentConfig(name="default") == load_config("default")
+
+
+def test_backbone_names_are_checked_when_the_config_loads():
+    with pytest.raises(ConfigError, match=r"^model\.backbone: unknown 'iresnet52' \(choose"):
+        load_config("default", ["model.backbone=iresnet52"])
+
+
+def test_every_bad_key_is_reported_at_once():
+    bad = ["model.backbone=iresnet52", "head.margin=foo", "optim.lr=x", "train.bogus=1"]
+    with pytest.raises(ConfigError) as raised:
+        load_config("default", [*bad, "data.image_size=8"])
+    lines = str(raised.value).splitlines()
+    keys = sorted(line.split(":", 1)[0] for line in lines)
+    assert keys == sorted(
+        ["data.image_size", "head.margin", "model.backbone", "optim.lr", "train.bogus"]
+    ), lines
+
+
+@pytest.mark.parametrize("key", ["data.image_size", "eval.image_size"])
+def test_image_size_takes_hxw_as_the_command_lines_do(key):
+    cfg = load_config("default", [f"{key}=112x96"])
+    assert getattr(cfg, key.split(".")[0]).image_size == [112, 96]
+    assert list(parse_image_size("112x96", "--image-size")) == [112, 96]
+    for bad in ("112x", "8x8"):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config("default", [f"{key}={bad}"])
+
+
+def test_the_config_loads_without_torch():
+    # The checks of every name (backbones, margins, formats) read the registry's names: not
+    # one import of torch, so that a bad key is said in a fraction of a second.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, train\n"
+        "assert train.main(['--show-config', 'model.backbone=iresnet52']) == 2\n"
+        "assert train.main(['--show-config', '--config', 'ms1m_adaface']) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_backbone_of_fixed_widths_is_told_at_load_to_keep_width_one():
+    # resnet50_reid has torchvision's widths: the built-in run's width 1/8 is refused when the
+    # config loads (it used to fail once torch had loaded and the model was built).
+    with pytest.raises(ConfigError, match=r"^model\.width: resnet50_reid has fixed widths"):
+        load_config("default", ["model.backbone=resnet50_reid"])
+    reid = load_config("default", ["model.backbone=resnet50_reid", "model.width=1"])
+    assert reid.model.width == 1

@@ -410,3 +410,15 @@ Inline: `python train.py --config X --plan --gpus W --gpu-memory G [--classes N]
 `python evaluate.py --checkpoint CKPT --ijb ROOT --ijb-name ijbc [--ijb-mode 11|1n]`.
 """
     assert command_line_errors(page, parsers) == []
+
+
+def test_lfw_photos_are_cropped_in_every_command_that_evaluates_them():
+    # LFW's originals are 250x250 with the face in the middle: verified uncropped, the
+    # background dominates the input and the numbers mean little.
+    uncropped = [
+        f"{page_id(page)}: {line.strip()}"
+        for page in pages()
+        for line in page.read_text().splitlines()
+        if "evaluate.py" in line and "--images lfw" in line and "--crop" not in line
+    ]
+    assert not uncropped, uncropped

@@ -232,3 +232,41 @@ def test_reid_at_the_height_width_of_the_export(tmp_path, capsys):
     assert evaluate.main(argv + ["--image-size", "32"]) == 1
     assert evaluate.main(argv + ["--image-size", "big"]) == 1
     assert "--image-size: expected N or HxW" in capsys.readouterr().err
+
+
+# ---- every flag checked, every target kind honoured (issue 39) --------------------------
+
+
+def test_reid_and_pairs_together_give_both_results(backbone_file, tmp_path, capsys):
+    # --reid used to drop --pairs and --bin silently; each kind is now a protocol of its own.
+    root = market(tmp_path / "market")
+    pairs, bin_path = lfw_and_bin(tmp_path / "lfw")
+    argv = ["--checkpoint", str(backbone_file), "--workers", "0", "--reid", str(root)]
+    out = tmp_path / "all.json"
+    targets = ["--pairs", str(pairs), "--bin", str(bin_path)]
+    assert evaluate.main([*argv, *targets, "--json", str(out)]) == 0
+    both = json.loads(out.read_text())
+    assert sorted(both) == ["lfw", "market", "set"]
+    alone = tmp_path / "alone.json"
+    assert evaluate.main([*argv, "--json", str(alone)]) == 0
+    assert both["market"] == json.loads(alone.read_text())
+    table = capsys.readouterr().out
+    assert "mAP %" in table and "accuracy %" in table
+
+
+def test_every_flag_problem_is_said_at_once_before_any_work(tmp_path, capsys):
+    argv = ["--checkpoint", str(tmp_path / "never-read.pt"), "--pairs", "p.txt"]
+    argv += ["--image-size", "big", "--batch-size", "0", "--ijb-name", "ijbc"]
+    argv += ["--json", str(tmp_path)]
+    assert evaluate.main(argv) == 1
+    lines = capsys.readouterr().err.splitlines()
+    named = sorted(line.split(": ")[1] for line in lines)
+    assert named == ["--batch-size", "--ijb-name", "--image-size", "--json"], lines
+
+
+def test_embeddings_take_no_model_flags(tmp_path, capsys):
+    emb = tmp_path / "e.npz"
+    argv = ["--embeddings", str(emb), "--bin", "x.bin", "--image-size", "32"]
+    assert evaluate.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "--embeddings: a bin target needs a model" in err and "--image-size:" in err

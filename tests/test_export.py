@@ -67,3 +67,31 @@ def test_missing_checkpoint_is_named(tmp_path, capsys):
     )
     assert "nope.pt" in capsys.readouterr().err
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_every_flag_problem_is_said_before_the_checkpoint_is_read(tmp_path, capsys):
+    # The same N|HxW as train.py's data.image_size and evaluate.py's --image-size; the flags
+    # that belong to --onnx; an output that is a folder. The checkpoint is never opened.
+    argv = ["--checkpoint", str(tmp_path / "never-read.pt"), "--arcface-torch", str(tmp_path)]
+    assert main([*argv, "--image-size", "big", "--opset", "17", "--no-check"]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(": ")[1] for line in lines] == [
+        "--image-size",
+        "--image-size",
+        "--opset",
+        "--no-check",
+        "--arcface-torch",
+    ], lines
+    assert "never-read.pt" not in "".join(lines)
+
+
+def test_an_input_size_the_iresnet_cannot_take_is_named(tmp_path, capsys):
+    model = build_backbone("iresnet18", embedding_size=8, width=0.125, image_size=32)
+    model_cfg = {"backbone": "iresnet18", "embedding_size": 8, "width": 0.125, "dropout": 0.0}
+    ckpt.export_backbone(tmp_path / "backbone.pt", model, model_cfg, 32)
+    out = tmp_path / "m.onnx"
+    argv = ["--checkpoint", str(tmp_path / "backbone.pt"), "--onnx", str(out)]
+    assert main([*argv, "--image-size", "48x48"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --image-size 48x48: this checkpoint's backbone takes 32x32")
+    assert not out.exists()

@@ -22,11 +22,11 @@ from recognition.data.build import build_train_dataset
 from recognition.distributed import DistInfo
 from recognition.heads import build_head
 from recognition.models import backbone_from_config
-from recognition.models.freeze import freeze_batch_norm
 from recognition.optim import build_optimizer, build_scheduler, param_groups
 from recognition.training import train
-from recognition.training.centroids import init_centroids
-from recognition.training.init_backbone import check_init_backbone, load_init_backbone
+from recognition.training.finetune.centroids import init_centroids
+from recognition.training.finetune.freeze import freeze_batch_norm
+from recognition.training.finetune.init_backbone import check_init_backbone, load_init_backbone
 
 DROPPED = 4  # a class whose images the centroid test hides: its row must stay random
 
@@ -372,7 +372,7 @@ def test_the_plan_counts_the_centroid_pass_as_it_runs(image_folder, pretrained, 
     from recognition.tensor_memory import TensorMemory
     from recognition.training.plan import plan_run
     from recognition.training.plan.centroid_pass import plan_centroid_pass
-    from recognition.training.plan_report import format_plan
+    from recognition.training.plan.report import format_plan
 
     cfg = tiny_config(
         image_folder, tmp_path / "run", f"train.init_backbone={pretrained}", "head.init=centroids"

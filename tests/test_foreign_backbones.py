@@ -176,7 +176,7 @@ def test_torchvision_resnet50_loads_as_the_reid_trunk(torchvision_file, caplog):
     assert model_cfg["trunk_only"] is True
     del model_cfg["trunk_only"]
     assert model_cfg == dataclasses.asdict(
-        ModelConfig(backbone="resnet50_reid", embedding_size=2048)
+        ModelConfig(backbone="resnet50_reid", embedding_size=2048, width=1.0)
     )
     assert image_size == (256, 128)
     source = torch.load(torchvision_file, weights_only=True)

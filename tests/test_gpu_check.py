@@ -685,7 +685,7 @@ def test_the_memory_plan_row_against_a_real_step(tmp_path):
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from benchmarks import train_throughput
-    from recognition.training.plan_check import peak_of
+    from recognition.training.plan.check import peak_of
 
     _, plan, _, cfg = smoke_throughput(tmp_path)
     real_step, steps = train_throughput.train_step, []

@@ -1,4 +1,4 @@
-"""What the head decides by timing on a GPU (heads/tuning.py, heads/kernels/tile_tuning.py),
+"""What the head decides by timing on a GPU (heads/tuning/: kernel.py, tiles.py, measure.py),
 with the timings stubbed: head.kernel=auto's choice and its log line, the cache (hit, miss
 on another device or shape, a corrupt or unwritable file), and the Triton tiles' candidates
 (what fits), their timing and its cache. The kernels run in Triton's interpreter on CPU
@@ -15,9 +15,11 @@ import pytest
 import torch
 from test_head import assert_close_rel, make_batch, run_head
 
-from recognition.heads import ShardedMarginSoftmax, build_head, kernel_choice, triton_stats, tuning
+from recognition.heads import ShardedMarginSoftmax, build_head, triton_stats
 from recognition.heads import margin_softmax as head_module
 from recognition.heads.margins import CosFace
+from recognition.heads.tuning import kernel as kernel_choice
+from recognition.heads.tuning import measure as tuning
 
 KEY = {"device": "NVIDIA H100 80GB HBM3", "rows": 1024, "dim": 512, "classes": 1_000_000}
 
@@ -41,7 +43,7 @@ def fixed_times(torch_s: float, triton_s: float):
 )
 def test_auto_takes_the_strictly_faster_path(torch_s, triton_s, expected):
     measure, calls = fixed_times(torch_s, triton_s)
-    choice = tuning.choose_kernel(KEY, measure, cache=None)
+    choice = kernel_choice.choose_kernel(KEY, measure, cache=None)
     assert choice.kernel == expected and calls == ["torch", "triton"]
     assert choice.seconds == {"torch": torch_s, "triton": triton_s}
     assert choice.source == "measured" and not choice.errors
@@ -53,7 +55,7 @@ def test_a_failing_path_loses_and_says_why():
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB\nmore")
         return 0.5
 
-    choice = tuning.choose_kernel(KEY, measure, cache=None)
+    choice = kernel_choice.choose_kernel(KEY, measure, cache=None)
     assert choice.kernel == "triton" and math.isinf(choice.seconds["torch"])
     assert choice.errors == {
         "torch": "OutOfMemoryError: CUDA out of memory. Tried to allocate 40.00 GiB"
@@ -63,14 +65,14 @@ def test_a_failing_path_loses_and_says_why():
     def nothing_runs(path):
         raise RuntimeError(f"{path} broken")
 
-    assert tuning.choose_kernel(KEY, nothing_runs, cache=None).kernel == "torch"
+    assert kernel_choice.choose_kernel(KEY, nothing_runs, cache=None).kernel == "torch"
 
 
 def test_every_rank_decides_from_the_slowest_rank():
     # Here triton is faster, but another rank's triton step is the slowest of all.
     measure, _ = fixed_times(0.010, 0.008)
     other_rank = [0.011, 0.015]
-    choice = tuning.choose_kernel(
+    choice = kernel_choice.choose_kernel(
         KEY,
         measure,
         cache=None,
@@ -85,7 +87,7 @@ def test_every_rank_decides_from_the_slowest_rank():
 def test_cache_hit_and_misses_on_another_device_or_shape(tmp_path):
     cache = tuning.TuningCache(tmp_path / "cache")
     measure, calls = fixed_times(0.020, 0.010)
-    assert tuning.choose_kernel(KEY, measure, cache).source == "measured"
+    assert kernel_choice.choose_kernel(KEY, measure, cache).source == "measured"
     stored = json.loads(cache.path("kernel").read_text())
     assert stored["version"] == tuning.CACHE_VERSION
     [entry] = stored["entries"].values()
@@ -93,13 +95,13 @@ def test_cache_hit_and_misses_on_another_device_or_shape(tmp_path):
 
     # A new cache object (a new run) on the same folder: read, not measured.
     again, calls_again = fixed_times(1.0, 2.0)
-    choice = tuning.choose_kernel(KEY, again, tuning.TuningCache(tmp_path / "cache"))
+    choice = kernel_choice.choose_kernel(KEY, again, tuning.TuningCache(tmp_path / "cache"))
     assert calls_again == [] and choice.kernel == "triton"
     assert choice.source == str(cache.path("kernel"))
 
     for changed in ({"device": "NVIDIA A100-SXM4-80GB"}, {"classes": 999_999}, {"rows": 512}):
         measure, calls = fixed_times(0.010, 0.020)
-        choice = tuning.choose_kernel({**KEY, **changed}, measure, cache)
+        choice = kernel_choice.choose_kernel({**KEY, **changed}, measure, cache)
         assert calls == ["torch", "triton"] and choice.kernel == "torch", changed
     assert len(json.loads(cache.path("kernel").read_text())["entries"]) == 4
 
@@ -112,7 +114,7 @@ def test_a_failed_measurement_is_not_cached(tmp_path):
             raise RuntimeError("OutOfResources")
         return 0.01
 
-    tuning.choose_kernel(KEY, measure, cache)
+    kernel_choice.choose_kernel(KEY, measure, cache)
     assert not cache.path("kernel").exists()
 
 
@@ -125,7 +127,7 @@ def test_a_corrupt_cache_file_is_ignored_with_a_warning_and_rewritten(tmp_path, 
     cache.path("kernel").write_text(content)
     measure, calls = fixed_times(0.020, 0.010)
     with caplog.at_level(logging.WARNING, logger=tuning.__name__):
-        choice = tuning.choose_kernel(KEY, measure, cache)
+        choice = kernel_choice.choose_kernel(KEY, measure, cache)
     assert choice.kernel == "triton" and calls == ["torch", "triton"]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and str(cache.path("kernel")) in warnings[0]
@@ -137,7 +139,7 @@ def test_an_unwritable_cache_folder_costs_a_warning_not_the_run(tmp_path, caplog
     folder = tmp_path / "a-file" / "cache"  # no folder can be made there, even by root
     measure, _ = fixed_times(0.020, 0.010)
     with caplog.at_level(logging.WARNING, logger=tuning.__name__):
-        choice = tuning.choose_kernel(KEY, measure, tuning.TuningCache(folder))
+        choice = kernel_choice.choose_kernel(KEY, measure, tuning.TuningCache(folder))
     assert choice.kernel == "triton"
     assert any("cannot write the tuning cache" in r.getMessage() for r in caplog.records)
 
@@ -236,8 +238,8 @@ def test_auto_does_not_measure_on_the_cpu(monkeypatch, caplog):
 
 @pytest.fixture
 def tiling(monkeypatch):
-    """tile_tuning with an empty in-process memory."""
-    tile_tuning = importlib.import_module("recognition.heads.kernels.tile_tuning")
+    """heads/tuning/tiles.py with an empty in-process memory."""
+    tile_tuning = importlib.import_module("recognition.heads.tuning.tiles")
     monkeypatch.setattr(tile_tuning, "_TUNED", {})
     monkeypatch.setattr(tile_tuning, "_CONFIGS", {})
     return tile_tuning

@@ -117,7 +117,7 @@ def test_training_subset_has_no_held_out_label(faces):
 
 def test_the_plan_counts_the_classes_the_head_will_have(faces):
     """`train.py --plan` without --classes: the trained identities, not the held-out ones."""
-    from recognition.training.plan_report import dataset_classes
+    from recognition.training.plan.report import dataset_classes
 
     cfg = load_config("default", [f"data.root={faces}"])
     assert dataset_classes(cfg) == NUM_PEOPLE - MIN_HELD_OUT

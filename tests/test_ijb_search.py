@@ -20,7 +20,9 @@ import evaluate
 from recognition import checkpoint as ckpt
 from recognition.data.alignment import align_face, template_points
 from recognition.data.transforms import load_rgb, to_input_tensor
-from recognition.evaluation import ijb, ijb_search
+from recognition.evaluation import ijb
+from recognition.evaluation.ijb import search as ijb_search
+from recognition.evaluation.ijb import search_protocol
 from recognition.models import build_backbone
 
 HEADER = "TEMPLATE_ID,SUBJECT_ID,FILENAME,SIGHTING_ID,FACE_X,FACE_Y,FACE_WIDTH,FACE_HEIGHT"
@@ -52,7 +54,7 @@ def make_release(
     """Subjects alternate between the two galleries (one template each), the last
     ``1 - enrolled_share`` of them in neither; every subject has a few probe templates.
     Templates hold one or two media of one to three images, named in order."""
-    release = Release(galleries={g: [] for g in ijb_search.GALLERIES[name]})
+    release = Release(galleries={g: [] for g in search_protocol.GALLERIES[name]})
     gallery_names = list(release.galleries)
     num_enrolled = round(num_subjects * enrolled_share)
     counter = iter(range(1, 10**6))
@@ -133,7 +135,7 @@ def reference_templates(
 
 def reference_gallery(release: Release, pooled: dict, gallery: str) -> dict:
     """One gallery's counts, CMC, TPIR and thresholds by plain loops over every probe and
-    gallery template, from the definitions in recognition/evaluation/ijb_search.py."""
+    gallery template, from the definitions in recognition/evaluation/ijb/search.py."""
     gallery_ids = release.galleries[gallery]
     mated_ranks, mated_scores, non_mated_tops = [], [], []
     for p in release.probes:

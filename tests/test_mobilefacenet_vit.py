@@ -315,7 +315,7 @@ def test_an_arcface_torch_file_is_told_by_content_and_gives_the_same_embeddings(
 def test_export_to_arcface_torch_and_back(tmp_path, caplog):
     torch.manual_seed(0)
     model = randomised(build_backbone("mbf", embedding_size=32), 4).float()
-    cfg = dataclasses.asdict(ModelConfig(backbone="mbf", embedding_size=32))
+    cfg = dataclasses.asdict(ModelConfig(backbone="mbf", embedding_size=32, width=1.0))
     ckpt.export_backbone(tmp_path / "backbone.pt", model, cfg, 112)
     out = tmp_path / "mbf.pth"
     with caplog.at_level("INFO"):

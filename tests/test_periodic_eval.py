@@ -15,7 +15,7 @@ from recognition import checkpoint as ckpt
 from recognition.checkpoint import load_backbone
 from recognition.config import ConfigError, config_from_dict, load_config
 from recognition.evaluation.embeddings import Extraction
-from recognition.evaluation.run import evaluate_targets
+from recognition.evaluation.protocols import evaluate_targets
 from recognition.training import train
 
 
@@ -120,7 +120,7 @@ def test_the_loader_workers_are_gone_before_the_final_evaluation(data, tmp_path,
     reference cycle: recognition.data.workers.stop_workers)."""
     import multiprocessing
 
-    from recognition.evaluation import run as evaluation
+    from recognition.evaluation import targets as evaluation
 
     train_root, pairs = data
     before = {child.pid for child in multiprocessing.active_children()}
@@ -167,6 +167,36 @@ def test_best_metric_is_validated():
         config_from_dict({"eval": {"targets": [targets[0], {"pairs": "a", "bin": "b"}]}})
     with pytest.raises(ConfigError, match="two targets are called 'lfw'"):
         config_from_dict({"eval": {"targets": [targets[0], targets[0]]}})
+
+
+def test_the_metrics_of_ijb_and_reid_targets_are_checked_when_the_config_loads(tmp_path):
+    targets = [{"ijb": "IJB_release/IJBC", "ijb_mode": "1n"}, {"reid": "data/Market"}]
+    for good in ("ijbc-1n/rank1", "ijbc-1n/tpir@fpir=1e-2", "Market/mAP", "Market/rank5"):
+        eval_cfg = {"targets": targets, "every_steps": 5, "best_metric": good}
+        assert config_from_dict({"eval": eval_cfg}).eval.best_metric == good
+    for bad, match in [
+        ("Market/accuracy", "unknown metric 'accuracy' for reid targets"),
+        ("ijbc-1n/eer", "unknown metric 'eer' for ijb targets"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            config_from_dict({"eval": {"targets": targets, "every_steps": 5, "best_metric": bad}})
+    for target, key in [
+        ({"ijb": "somewhere/release"}, "ijb_name"),  # the folder does not say which set
+        ({"reid": "m", "crop": 10}, "crop"),
+        ({"bin": "a.bin", "ijb_mode": "1n"}, "ijb_name"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"eval\.targets\[0\]\.{key}"):
+            config_from_dict({"eval": {"targets": [target]}})
+    # Their inputs are checked before any work, like a pairs file's.
+    from recognition.preflight import input_problems
+
+    cfg = config_from_dict(
+        {"output_dir": str(tmp_path / "run"), "data": {"root": str(tmp_path)}, "eval": {"targets": [
+            {"ijb": str(tmp_path / "IJBC")}, {"reid": str(tmp_path / "market")}]}}
+    )  # fmt: skip
+    problems = input_problems(cfg)
+    assert f"IJB meta folder not found: {tmp_path / 'IJBC'}" in problems[0]
+    assert f"{tmp_path / 'market' / 'query'} not found" in problems[1]
 
 
 @pytest.mark.parametrize(
@@ -297,3 +327,46 @@ def test_missing_target_stops_before_the_first_step(data, tmp_path, kind):
         train(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_ijb_and_reid_run_periodically_and_pick_the_best(data, tmp_path):
+    # Every kind of target is a protocol behind one interface: IJB 1:1 and re-id ranking
+    # evaluate during training like a pairs file, and either may choose the best backbone.
+    from test_evaluate_modes import market
+    from test_ijb import write_ijb
+
+    import evaluate
+
+    train_root, _ = data
+    reid_root, ijb_root = market(tmp_path / "market"), tmp_path / "IJBC"
+    write_ijb(ijb_root, "ijbc", num_ids=3, templates_per_id=2)
+    targets = f"eval.targets=[{{reid: {reid_root}}}, {{ijb: {ijb_root}}}]"
+    cfg = config(
+        train_root,
+        tmp_path / "run",
+        targets,
+        "eval.every_steps=2",
+        "eval.best_metric=ijbc/auc",
+        "eval.at_end=true",
+        "eval.flip=false",
+    )
+    run_dir = train(cfg)
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r for r in records if "eval/market/mAP" in r}
+    assert sorted(evals) == [2, 4, 6]
+    for r in evals.values():
+        assert {"eval/market/rank1", "eval/ijbc/auc", "eval/ijbc/tar@far=1e-1"} <= set(r)
+    aucs = [evals[s]["eval/ijbc/auc"] for s in (2, 4, 6)]
+    best = json.loads((run_dir / "best.json").read_text())
+    assert best["metric"] == "ijbc/auc" and best["step"] == (2, 4, 6)[int(np.argmax(aucs))]
+    # The end's evaluation holds both kinds; evaluate.py gives the kept backbone's numbers.
+    assert sorted(json.loads((run_dir / "eval.json").read_text())) == ["ijbc", "market"]
+    out = tmp_path / "best.json"
+    argv = ["--checkpoint", str(run_dir / "best_backbone.pt"), "--ijb", str(ijb_root)]
+    argv += ["--ijb-name", "ijbc", "--no-flip", "--workers", "0", "--json", str(out)]
+    assert evaluate.main(argv) == 0
+    assert json.loads(out.read_text())["auc"] == pytest.approx(best["value"], abs=1e-9)
+    argv = ["--checkpoint", str(run_dir / "best_backbone.pt"), "--reid", str(reid_root)]
+    assert evaluate.main([*argv, "--no-flip", "--workers", "0", "--json", str(out)]) == 0
+    best_step = evals[best["step"]]
+    assert json.loads(out.read_text())["mAP"] == pytest.approx(best_step["eval/market/mAP"])

@@ -73,7 +73,7 @@ def test_the_unit_chain_is_the_backbone():
     assert len(model.units()) == 2 + 8  # iresnet18: 2 + 2 + 2 + 2 blocks
 
     reid = backbone_from_config(
-        ModelConfig(backbone="resnet50_reid", embedding_size=EMBEDDING), (32, 16)
+        ModelConfig(backbone="resnet50_reid", embedding_size=EMBEDDING, width=1.0), (32, 16)
     ).eval()
     x = torch.randn(2, 3, 32, 16)
     pooled = reid.forward_features(x).mean(dim=(2, 3))
@@ -86,7 +86,9 @@ def test_stages_keep_their_names_and_compose_to_the_backbone(backbone):
     cfg = (
         tiny_model(3, backbone)
         if backbone == "iresnet18"
-        else ModelConfig(backbone=backbone, embedding_size=EMBEDDING, pipeline_stages=3)
+        else ModelConfig(
+            backbone=backbone, embedding_size=EMBEDDING, width=1.0, pipeline_stages=3
+        )
     )
     hw = IMAGE_HW if backbone == "iresnet18" else (32, 16)
     torch.manual_seed(SEED)
@@ -275,7 +277,7 @@ def pipelined_grads(case: dict, rank: int, world: int) -> dict:
     stage = stage.double()
     head = None
     if layout.is_last:
-        head_cfg = HeadConfig(margin=case["margin"], scale=16.0)
+        head_cfg = HeadConfig(margin=case["margin"], scale=16.0, m=None)
         head = build_head(
             head_cfg, NUM_CLASSES, EMBEDDING, seed=SEED, group=layout.dp_group
         ).double()
@@ -311,7 +313,7 @@ def reference_grads(case: dict, num_replicas: int, single: dist.ProcessGroup) ->
     torch.manual_seed(SEED)
     whole = backbone_from_config(cfg, IMAGE_HW).double()
     head = build_head(
-        HeadConfig(margin=case["margin"], scale=16.0),
+        HeadConfig(margin=case["margin"], scale=16.0, m=None),
         NUM_CLASSES,
         EMBEDDING,
         seed=SEED,

@@ -1,7 +1,7 @@
 """The run planner (recognition/training/plan/) against reality and against formulas.
 
 Reality: the CPU allocator's peak of the same step on real tensors (torch.profiler's
-memory events, `plan_check.measure_rank`), on one process and on two gloo ranks, for six
+memory events, `plan.check.measure_rank`), on one process and on two gloo ranks, for six
 configurations (O0 and O2 bf16, chunked and unchunked head, 10k-100k classes,
 accumulation 1 and 2, partial FC), and for two-stage pipelines on two gloo ranks (1F1B and
 GPipe, O0 and O2 bf16, with the stage shapes the planner finds alone against those the
@@ -83,7 +83,7 @@ TWO_RANKS = [CASES[i] for i in (0, 2, 3)]
 
 @pytest.mark.parametrize("name,classes,overrides", ONE_PROCESS, ids=[c[0] for c in ONE_PROCESS])
 def test_plan_matches_the_allocator_on_one_process(name, classes, overrides):
-    from recognition.training.plan_check import measure_rank
+    from recognition.training.plan.check import measure_rank
 
     cfg = tiny(*overrides)
     plan = plan_rank(cfg, classes, 1, 0, granularity=1)
@@ -105,7 +105,7 @@ BLOCK_CASES = [CASES[0], SAMPLED_ROWS_AT_PEAK]
 
 def measured_blocks(cfg, classes: int) -> int:
     """The CPU allocator's peak over a real step, each allocation in 512-byte blocks."""
-    from recognition.training.plan_check import measure_rank
+    from recognition.training.plan.check import measure_rank
 
     return measure_rank(cfg, classes, DistInfo(), granularity=BLOCKS)
 
@@ -146,7 +146,7 @@ def _on_two_ranks(rank: int, port: int, out: str, measure, cases: list) -> None:
 
 
 def _peaks(cases: list, info: DistInfo) -> dict[str, object]:
-    from recognition.training.plan_check import measure_rank
+    from recognition.training.plan.check import measure_rank
 
     return {
         name: measure_rank(tiny(*overrides), classes, info) for name, classes, overrides in cases
@@ -207,7 +207,7 @@ def _io_of_two_ranks(cfg, classes: int, info: DistInfo) -> dict[str, list]:
 
 
 def _pipeline_peaks_and_io(cases: list, info: DistInfo) -> dict[str, object]:
-    from recognition.training.plan_check import measure_rank
+    from recognition.training.plan.check import measure_rank
 
     results: dict[str, object] = {}
     for name, classes, overrides in cases:
@@ -438,6 +438,7 @@ def test_largest_batch_is_the_boundary(capsys, tmp_path):
     assert train.main(args) == 0
     text = capsys.readouterr().out
     assert "class rows" in text and "step time >= (H100 SXM)" in text
+    assert text.startswith("plan: default, 1 GPU, ")  # not "1 GPUs"
     verdict = text.strip().splitlines()[-1]
     assert verdict.startswith(("fits", "does NOT fit")), verdict
     batch = int(verdict.split("largest train.batch_size that fits: ")[1].split(";")[0])

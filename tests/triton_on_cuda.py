@@ -208,7 +208,7 @@ def check_auto(sizes: Sizes, device: torch.device) -> str:
 def check_tuned_tiles(sizes: Sizes, device: torch.device) -> str:
     """A shape above MIN_TUNED_WORK (N 512, D 512, 32,768 classes, bf16 under autocast),
     with each backward: the fused one tunes its three kernels, the GEMM one the forward's."""
-    tile_tuning = importlib.import_module("recognition.heads.kernels.tile_tuning")
+    tile_tuning = importlib.import_module("recognition.heads.tuning.tiles")
     tile_tuning.MAX_CANDIDATES = 2  # the table's tiles and one neighbour per kernel
     big = Sizes(device)
     big.rows, big.classes = 512, 32768

@@ -63,14 +63,18 @@ def load_file(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated / foreign files
-        if "Weights only load failed" in str(exc) and "Unsupported global" in str(exc):
-            # torch's message goes on to advise weights_only=False, which would run whatever
-            # code the file names: not advice to relay about a file of unknown origin.
+        # A pickle naming a global that is not a tensor type (a class, a function such as
+        # os.system). torch's message goes on to advise weights_only=False, which would run
+        # whatever code the file names: not advice to relay about a file of unknown origin.
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if "Weights only load failed" in str(exc) and found:
+            named = f" ({found.group(1)})"
             raise ValueError(
-                f"checkpoint {path}: refused, it holds Python objects other than tensors and "
-                "plain containers, such as a whole model saved with torch.save(model) (a pickle "
-                "from elsewhere could run code when loaded); where the model's code is, re-save "
-                "its weights alone: torch.save(model.state_dict(), 'backbone.pth')"
+                f"checkpoint {path}: refused and not loaded: it holds Python objects other than "
+                f"tensors and plain containers{named}, such as a whole model saved with "
+                "torch.save(model) (a pickle from elsewhere could run code when loaded); where "
+                "the model's code is, re-save its weights alone: "
+                "torch.save(model.state_dict(), 'backbone.pth')"
             ) from None
         raise ValueError(
             f"checkpoint {path}: not a checkpoint file this project reads (truncated, or another "

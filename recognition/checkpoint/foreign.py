@@ -160,7 +160,7 @@ def _iresnet_depth(path: Path, state: dict[str, torch.Tensor]) -> str:
 
 def _torchvision_resnet50(path: Path, state: dict[str, torch.Tensor]) -> BackboneFile:
     model_cfg = dataclasses.asdict(
-        ModelConfig(backbone="resnet50_reid", embedding_size=TRUNK_CHANNELS)
+        ModelConfig(backbone="resnet50_reid", embedding_size=TRUNK_CHANNELS, width=1.0)
     )
     model_cfg[TRUNK_ONLY] = True
     with torch.device("meta"):

@@ -4,9 +4,10 @@ A config file is a YAML mapping whose sections mirror the dataclasses of this pa
 module per section (`data`, `model`, `head`, `optim`, `train` with `precision`, `eval`;
 `synthetic` holds `data.synthetic` and the generator's `SyntheticSpec`, `augment`
 `data.augment` and its presets), gathered in
-`experiment.ExperimentConfig` with the checks that span sections. A file may name a `base:`
-file (relative to itself) that it overrides key by key, so each experiment is a short file
-over one base. Command-line overrides use dotted names (`head.margin=cosface optim.lr=0.05`);
+`experiment.ExperimentConfig` with the checks that span sections. The dataclasses' defaults
+are the built-in run's (`python train.py`). A file may name a `base:` file (beside it, else
+a name in configs/) that it overrides key by key, so each experiment is a short file over
+one base. Command-line overrides use dotted names (`head.margin=cosface optim.lr=0.05`);
 their values are parsed as YAML scalars (`loader`; `convert` turns the mapping into the
 dataclasses).
 
@@ -19,13 +20,14 @@ from recognition.config.augment import PRESET_NAMES, PRESETS, AugmentConfig, blu
 from recognition.config.data import DataConfig
 from recognition.config.eval import EVAL_METRICS, EvalConfig, EvalTarget, parse_metric
 from recognition.config.experiment import ExperimentConfig, check_fused_update, check_pipeline
-from recognition.config.head import MARGIN_NAMES, HeadConfig
+from recognition.config.head import MARGIN_KEYS, HeadConfig
 from recognition.config.loader import (
     CONFIG_DIR,
     FOLLOWERS,
     config_from_dict,
     config_to_dict,
     load_config,
+    load_config_sources,
     resolve_config_path,
     save_config,
 )
@@ -50,7 +52,7 @@ __all__ = [
     "EVAL_METRICS",
     "FOLLOWERS",
     "GENERATOR_VERSION",
-    "MARGIN_NAMES",
+    "MARGIN_KEYS",
     "MIN_IMAGE_SIDE",
     "ConfigError",
     "DataConfig",
@@ -73,6 +75,7 @@ __all__ = [
     "config_to_dict",
     "image_size_pair",
     "load_config",
+    "load_config_sources",
     "parse_image_size",
     "parse_metric",
     "resolve_config_path",

@@ -15,30 +15,39 @@ from recognition.config.values import ConfigError
 def build_dataclass(cls: type, raw: Any, prefix: str) -> Any:
     """An instance of the dataclass `cls` from the mapping `raw`, every value converted to its
     field's annotation; `prefix` is the dotted key of `raw` with a trailing dot ("" at the
-    top)."""
+    top).
+
+    Every unknown, missing or wrongly typed key (in sub-sections too) is found before it
+    raises: one ConfigError, a line per problem. A section's `__post_init__` checks run once
+    its keys convert, and raise their first problem.
+    """
     where = prefix.rstrip(".") or "config"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
     hints = get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        key = prefix + str(unknown[0])
-        raise ConfigError(
-            f"{key}: unknown config key (known in {where}: {', '.join(sorted(names))})"
-        )
+    known = ", ".join(sorted(names))
+    problems = [
+        f"{prefix}{key}: unknown config key (known in {where}: {known})"
+        for key in sorted(set(raw) - names, key=str)
+    ]
     kwargs = {}
     for name in raw:
-        kwargs[name] = convert_value(raw[name], hints[name], prefix + name)
-    missing = [
-        f.name
+        if name not in names:
+            continue
+        try:
+            kwargs[name] = convert_value(raw[name], hints[name], prefix + name)
+        except ConfigError as exc:
+            problems.append(str(exc))
+    problems += [
+        f"{prefix + f.name}: required key is missing"
         for f in dataclasses.fields(cls)
-        if f.name not in kwargs
+        if f.name not in raw
         and f.default is dataclasses.MISSING
         and f.default_factory is dataclasses.MISSING
     ]
-    if missing:
-        raise ConfigError(f"{prefix + missing[0]}: required key is missing")
+    if problems:
+        raise ConfigError("\n".join(problems))
     return cls(**kwargs)
 
 

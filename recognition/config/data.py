@@ -9,6 +9,7 @@ from typing import Literal
 from recognition.config.augment import AugmentConfig, blur_kernel_size
 from recognition.config.synthetic import SyntheticConfig
 from recognition.config.values import ConfigError, check_image_size, image_size_pair
+from recognition.registry import FORMATS, names
 
 
 @dataclass
@@ -20,16 +21,18 @@ class DataConfig:
     RecordIO pack (`train.rec` + `train.idx`), or a person re-id data set's release: a
     Market-1501 / DukeMTMC-reID folder (`bounding_box_train/`), MSMT17 (its list files) or
     CUHK03 (the new protocol's split files); see `format`."""
-    format: Literal["auto", "folder", "recordio", "market1501", "msmt17", "cuhk03"] = "auto"
-    """auto: recordio when root holds train.rec and train.idx, market1501 when it holds
-    bounding_box_train/, msmt17 when list_train.txt (and train/ or mask_train_v2/), cuhk03
-    when cuhk03_new_protocol_config_*.mat, else folder."""
+    format: str = "auto"
+    """auto or one of {formats}. auto: the first format whose marker data.root holds
+    (recordio: train.rec and train.idx; market1501: bounding_box_train/; msmt17:
+    list_train.txt; cuhk03: cuhk03_new_protocol_config_*.mat), else folder
+    (recognition/registry.py)."""
     cuhk03_boxes: Literal["labeled", "detected"] = "labeled"
     """CUHK03: train on the hand-labeled boxes (cuhk03_new_protocol_config_labeled.mat over
     images_labeled/) or the detected ones."""
-    image_size: int | list[int] = 112
-    """Input size in pixels: one side (a square, 112 for aligned faces) or [H, W] (e.g.
-    [256, 128] for person crops); images of any size are resized to it."""
+    image_size: int | list[int] | str = 48
+    """Input size in pixels: one side (a square, 112 for aligned faces; the default run's
+    48), [H, W] (e.g. [256, 128] for person crops) or "HxW" (256x128, made [H, W]); images
+    of any size are resized to it."""
     num_workers: int = 2
     """DataLoader worker processes that read and decode images; 0: in the training process."""
     cache_dir: str | None = None
@@ -70,6 +73,10 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         self.image_size = check_image_size(self.image_size, "data.image_size")
+        if self.format != "auto" and self.format not in FORMATS:
+            raise ConfigError(
+                f"data.format: unknown {self.format!r} (choose from auto, {names(FORMATS)})"
+            )
         if self.num_workers < 0:
             raise ConfigError("data.num_workers: must be 0 or more")
         if self.pk_instances < 1:

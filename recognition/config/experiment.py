@@ -96,7 +96,7 @@ class ExperimentConfig:
         files = [
             path
             for target in self.eval.targets or []
-            for path in (target.pairs, target.images, target.bin)
+            for path in (getattr(target, target.kind), target.images)
             if path is not None
         ]
         return self.trains_on_synthetic or any(lies_in(path, root) for path in files)

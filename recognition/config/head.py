@@ -9,21 +9,25 @@ from dataclasses import dataclass
 from typing import Literal
 
 from recognition.config.values import ConfigError
+from recognition.registry import MARGINS, names
 
-MARGIN_NAMES = ("arcface", "cosface", "sphereface", "am_softmax", "combined", "adaface")
+MARGIN_KEYS = ("m", "m1", "m2", "m3", "h", "t_alpha")
+"""The head's margin values, each taken by the margins whose `registry.MARGINS` entry lists
+it in its `keys`."""
 
 
 @dataclass
 class HeadConfig:
     """The `head` section: the margin, its parameters, and the sharded head's kernels."""
 
-    margin: str = "arcface"
-    """arcface, cosface, sphereface, am_softmax, combined or adaface."""
-    scale: float | None = None
-    """Logit scale s; None takes the margin's default."""
-    m: float | None = None
-    """The margin of arcface / cosface / sphereface / am_softmax / adaface; None takes the
-    default."""
+    margin: str = "cosface"
+    """One of {margins} (recognition/registry.py, docs/margins.md)."""
+    scale: float | None = 30.0
+    """Logit scale s; null takes the margin's default."""
+    m: float | None = 0.1
+    """The margin of arcface / cosface / sphereface / am_softmax / adaface; null takes the
+    margin's default. The default run's 0.1 is small: from scratch a larger one learns
+    nothing for its first ~1,000 steps, which is its whole budget."""
     m1: float | None = None
     """Combined margin: the multiplicative angle margin m1; only with margin=combined."""
     m2: float | None = None
@@ -32,9 +36,9 @@ class HeadConfig:
     """Combined margin s*(cos(m1*theta + m2) - m3); only with margin=combined."""
     h: float | None = None
     """AdaFace: how far a norm must lie from the running mean, in running stds (1/h), for the
-    full margin; >= 0, None takes 0.333. Only with margin=adaface."""
+    full margin; >= 0, null takes 0.333. Only with margin=adaface."""
     t_alpha: float | None = None
-    """AdaFace: weight of each batch in the running norm statistics, in [0, 1]; None takes
+    """AdaFace: weight of each batch in the running norm statistics, in [0, 1]; null takes
     0.01. Only with margin=adaface."""
     init: Literal["random", "centroids"] = "random"
     """How the class rows start: random (drawn from the seed, the same on any number of
@@ -47,8 +51,8 @@ class HeadConfig:
     """Fraction of the negative classes each rank samples per step (Partial FC)."""
     chunk_size: int | None = None
     """Classes per logit chunk, recomputed in backward (memory O(batch x chunk_size));
-    None keeps the logits of the whole shard for backward (faster, memory O(batch x
-    classes per rank)). None is never replaced by a size chosen automatically."""
+    null keeps the logits of the whole shard for backward (faster, memory O(batch x
+    classes per rank)); it is never replaced by a size chosen automatically."""
     kernel: Literal["auto", "triton", "torch"] = "auto"
     """The head's local statistics: torch (the reference code), triton (fused kernels, CUDA
     or TRITON_INTERPRET=1) or auto (on CUDA the faster of the two, timed at the first step
@@ -80,21 +84,13 @@ class HeadConfig:
     and precision O0, or O1 with bf16."""
 
     def __post_init__(self) -> None:
-        if self.margin not in MARGIN_NAMES:
-            choices = ", ".join(MARGIN_NAMES)
-            raise ConfigError(f"head.margin: unknown {self.margin!r} (choose from {choices})")
-        if self.margin == "combined" and self.m is not None:
-            raise ConfigError("head.m: the combined margin takes head.m1, head.m2 and head.m3")
-        if self.margin != "combined":
-            for name in ("m1", "m2", "m3"):
-                if getattr(self, name) is not None:
-                    raise ConfigError(f"head.{name}: only used with head.margin=combined")
+        if self.margin not in MARGINS:
+            raise ConfigError(
+                f"head.margin: unknown {self.margin!r} (choose from {names(MARGINS)})"
+            )
+        self._check_margin_keys()
         if self.margin == "adaface":
             self._check_adaface()
-        else:
-            for name in ("h", "t_alpha"):
-                if getattr(self, name) is not None:
-                    raise ConfigError(f"head.{name}: only used with head.margin=adaface")
         if self.scale is not None and self.scale <= 0:
             raise ConfigError("head.scale: must be positive")
         if not 0.0 < self.sample_rate <= 1.0:
@@ -129,6 +125,20 @@ class HeadConfig:
             raise ConfigError(
                 f"head.triplet_margin: must be >= 0 (or null: the soft margin), got "
                 f"{self.triplet_margin}"
+            )
+
+    def _check_margin_keys(self) -> None:
+        """Refuse a margin value that head.margin does not take (registry.MARGINS' keys)."""
+        takes = MARGINS[self.margin].keys
+        for key in MARGIN_KEYS:
+            value = getattr(self, key)
+            if value is None or key in takes:
+                continue
+            users = [name for name, entry in MARGINS.items() if key in entry.keys]
+            own = ", ".join(f"head.{k}" for k in takes) or "no margin value"
+            raise ConfigError(
+                f"head.{key}: only used with head.margin={' or '.join(users)}; "
+                f"head.margin={self.margin} takes {own} (set head.{key}=null)"
             )
 
     def _check_adaface(self) -> None:

@@ -1,9 +1,11 @@
 """Loading and saving configs: YAML files with their `base:` chain, dotted command-line
 overrides (parsed as YAML scalars), then conversion to `ExperimentConfig`.
 
-A bare name resolves to `configs/NAME.yaml`; a file may name a `base:` file (relative to
-itself) that it overrides key by key. Every error is a `ConfigError` naming the file or the
-dotted key.
+A bare name resolves to `configs/NAME.yaml`; a file may name a `base:` file that it overrides
+key by key: a path beside the file, else (a bare name) `configs/NAME.yaml`, so that a copy of
+a shipped config works from anywhere. What no file sets is the dataclasses' default (the
+built-in run, docs/configuration.md). Every error is a `ConfigError` naming the file or the
+dotted key; `load_config_sources` also says which file (or the command line) set each key.
 """
 
 from __future__ import annotations
@@ -39,17 +41,55 @@ def resolve_config_path(name_or_path: str) -> Path:
     return candidate
 
 
+COMMAND_LINE = "command line"
+"""The source of a key set by a `key=value` override (`load_config_sources`)."""
+
+
 def load_config(
     name_or_path: str = "default", overrides: list[str] | None = None
 ) -> ExperimentConfig:
     """Load a config file (with its `base:` chain), apply dotted overrides, validate."""
+    return load_config_sources(name_or_path, overrides)[0]
+
+
+def load_config_sources(
+    name_or_path: str = "default", overrides: list[str] | None = None
+) -> tuple[ExperimentConfig, dict[str, str]]:
+    """`load_config`'s config, and {dotted key: what set it}: a file's path (the last of the
+    `base:` chain that names the key) or COMMAND_LINE; a key none of them sets is left out
+    (it holds its default)."""
     path = resolve_config_path(name_or_path)
-    raw = _read_with_bases(path, seen=())
+    layers = _read_layers(path, seen=())
+    raw: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for layer_path, data in layers:
+        raw = _deep_merge(raw, data)
+        sources.update(dict.fromkeys(_leaf_keys(data), str(layer_path)))
     raw.setdefault("name", path.stem)
     for item in overrides or []:
         _apply_override(raw, item)
-    _followers_follow(raw, overrides or [])
-    return config_from_dict(raw)
+        sources.update(dict.fromkeys(_leaf_keys(_override_dict(item)), COMMAND_LINE))
+    for key in _followers_follow(raw, overrides or []):
+        sources[key] = COMMAND_LINE
+    return config_from_dict(raw), sources
+
+
+def _leaf_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys of `data`'s values that are not mappings (a list is one value)."""
+    keys = []
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            keys += _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def _override_dict(item: str) -> dict[str, Any]:
+    """The override `item` (key=value, already applied without error) as a nested mapping."""
+    raw: dict[str, Any] = {}
+    _apply_override(raw, item)
+    return raw
 
 
 # (section, key, value, follower): that value set on the command line makes the config
@@ -61,9 +101,11 @@ FOLLOWERS = (
 )
 
 
-def _followers_follow(raw: dict[str, Any], overrides: list[str]) -> None:
-    """Set to null the file's followers (`FOLLOWERS`) of what the command line set."""
+def _followers_follow(raw: dict[str, Any], overrides: list[str]) -> list[str]:
+    """Set to null the file's followers (`FOLLOWERS`) of what the command line set; returns
+    their dotted keys."""
     keys = {item.partition("=")[0].strip() for item in overrides}
+    nulled = []
     for section_name, key, value, follower in FOLLOWERS:
         section = raw.get(section_name)
         if f"{section_name}.{key}" not in keys or f"{section_name}.{follower}" in keys:
@@ -71,6 +113,8 @@ def _followers_follow(raw: dict[str, Any], overrides: list[str]) -> None:
         if isinstance(section, dict) and section.get(key) == value:
             if section.get(follower) is not None:
                 section[follower] = None
+                nulled.append(f"{section_name}.{follower}")
+    return nulled
 
 
 def config_from_dict(raw: dict[str, Any]) -> ExperimentConfig:
@@ -156,7 +200,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _read_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+def _read_layers(path: Path, seen: tuple[Path, ...]) -> list[tuple[Path, dict[str, Any]]]:
+    """The files of `path`'s `base:` chain, the first base first, each with its keys (less
+    `base:`)."""
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"{path}: `base:` chain loops back to itself")
@@ -164,15 +210,27 @@ def _read_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     _expand_shorthands(data)  # before merging: `augment: face` over a base's mapping
     base = data.pop("base", None)
     if base is None:
-        return data
-    if not isinstance(base, str):
+        return [(path, data)]
+    if not isinstance(base, str) or not base:
         raise ConfigError(f"{path}: base: must be a file name")
-    base_path = (path.parent / base) if not Path(base).is_absolute() else Path(base)
-    if base_path.suffix == "":
-        base_path = base_path.with_suffix(".yaml")
-    if not base_path.is_file():
-        raise ConfigError(f"{path}: base: no such file {str(base_path)!r}")
-    return _deep_merge(_read_with_bases(base_path, seen + (path,)), data)
+    return [*_read_layers(resolve_base(path, base), seen + (path,)), (path, data)]
+
+
+def resolve_base(path: Path, base: str) -> Path:
+    """The file the `base:` of the config `path` names: beside `path` (`.yaml` added to a
+    name without a suffix), else, for a bare name, `configs/NAME.yaml`. Raises ConfigError
+    naming every place tried."""
+    beside = Path(base) if Path(base).is_absolute() else path.parent / base
+    if beside.suffix == "":
+        beside = beside.with_suffix(".yaml")
+    tried = [beside]
+    if len(Path(base).parts) == 1:
+        tried.append(CONFIG_DIR / beside.name)
+    for candidate in tried:
+        if candidate.is_file():
+            return candidate
+    places = " and ".join(repr(str(p)) for p in dict.fromkeys(tried))
+    raise ConfigError(f"{path}: base: no file {base!r} (looked for {places})")
 
 
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

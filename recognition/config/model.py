@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from recognition.config.values import ConfigError
+from recognition.registry import BACKBONES, names
 
 # The ViTs (model.backbone=vit_*) are not cut into pipeline stages: which tokens a training
 # step leaves out is drawn before the first block and needed after the last.
@@ -16,14 +17,15 @@ UNCUT_BACKBONE_PREFIX = "vit_"
 class ModelConfig:
     """The `model` section: the backbone, its embedding and its optional pipeline stages."""
 
-    backbone: str = "iresnet50"
-    """A face backbone in arcface_torch's layout: IResNet (iresnet18, 34, 50, 100, 200),
-    MobileFaceNet (mbf, mbf_large) or ViT (vit_t, vit_s, vit_b, vit_l, vit_h); or
-    resnet50_reid (torchvision's ResNet-50 for person re-id). docs/backbones.md."""
-    embedding_size: int = 512
+    backbone: str = "iresnet18"
+    """One of {backbones}: a face backbone in arcface_torch's layout (IResNet, MobileFaceNet,
+    ViT; docs/backbones.md) or resnet50_reid (torchvision's ResNet-50 for person re-id);
+    recognition/registry.py lists them."""
+    embedding_size: int = 128
     """Dimension of the embedding (the features the head and the evaluation see)."""
-    width: float = 1.0
-    """Channel multiplier of the backbone (1.0 = the published architecture)."""
+    width: float = 0.125
+    """Channel multiplier of the backbone (1.0 = the published architecture; the default
+    run's 1/8 trains on a CPU in minutes). resnet50_reid has fixed widths: 1.0 only."""
     dropout: float = 0.0
     """Dropout probability on the last feature map before the embedding layer."""
     sync_bn: bool = False
@@ -54,6 +56,10 @@ class ModelConfig:
     the stages are closest to equal."""
 
     def __post_init__(self) -> None:
+        if self.backbone not in BACKBONES:
+            raise ConfigError(
+                f"model.backbone: unknown {self.backbone!r} (choose from {names(BACKBONES)})"
+            )
         if self.embedding_size < 1:
             raise ConfigError("model.embedding_size: must be at least 1")
         if self.pipeline_stages < 1:
@@ -74,5 +80,10 @@ class ModelConfig:
             )
         if not 0.0 < self.width <= 4.0:
             raise ConfigError(f"model.width: {self.width} is outside (0, 4]")
+        if "width" in BACKBONES[self.backbone].keys and self.width != 1.0:
+            raise ConfigError(
+                f"model.width: {self.backbone} has fixed widths and takes model.width=1.0 only, "
+                f"got {self.width:g} (the default 0.125 is the built-in IResNet-18's)"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout: {self.dropout} is outside [0, 1)")

@@ -23,9 +23,9 @@ class OptimConfig:
     """Not applied to BatchNorm / PReLU weights and biases (parameters with ndim <= 1)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """Adam's and AdamW's [beta1, beta2]."""
-    warmup_epochs: float = 0.0
+    warmup_epochs: float = 0.5
     """Epochs (may be fractional) of linear warmup from 0 to `lr`."""
-    schedule: Literal["poly", "cosine", "constant", "step"] = "poly"
+    schedule: Literal["poly", "cosine", "constant", "step"] = "cosine"
     """After warmup: poly or cosine decay to min_lr at the end, constant, or step (the lr
     multiplied by `gamma` at each of `milestones`)."""
     poly_power: float = 2.0

@@ -105,7 +105,7 @@ class SyntheticConfig(SyntheticSpec):
     """The built-in synthetic dataset (`data.synthetic`): the generator's `SyntheticSpec`
     fields, and whether and where to generate it on first use."""
 
-    enabled: bool = False
+    enabled: bool = True
     """Generate the set under `root` on first use, when the run reads it (data.root or an
     evaluation target lies in `root`); never for a run on other data."""
     root: str = "data/synthetic"

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from recognition.config.values import ConfigError, check_counts, parse_time_limit
+from recognition.registry import code_problem
 
 # The signals a run can catch to stop (not SIGKILL or SIGSTOP, which no process can).
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
@@ -18,7 +19,7 @@ class TrainConfig:
 
     batch_size: int = 128
     """Per process."""
-    epochs: int = 20
+    epochs: int = 8
     """Passes over the training data; the schedule spans them."""
     max_steps: int | None = None
     """Stop after this many optimizer steps; the schedule still spans `epochs`."""
@@ -65,7 +66,7 @@ class TrainConfig:
     """Seconds a collective waits for the other ranks before it fails: how long a job whose
     rank hung takes to stop. It must exceed the longest gap between two collectives (a
     checkpoint save, the first batch of a slow data loader)."""
-    log_every: int = 10
+    log_every: int = 25
     """Optimizer steps between log lines (and metrics.jsonl records)."""
     checkpoint_every: int | None = None
     """Optimizer steps between checkpoints; null: at the end of every epoch."""
@@ -100,6 +101,10 @@ class TrainConfig:
     requeue: bool = False
     """After a stop, rank 0 requeues the Slurm job (scontrol requeue; an array job's own
     task), which then resumes with train.resume=auto."""
+    hooks: list[str] = field(default_factory=list)
+    """Hooks of your own, each "package.module:Class" (a `recognition.training.hooks.Hook`
+    subclass, made with no argument), called after the built-in ones at every point of the
+    loop (docs/extending.md); `train(cfg, hooks=[...])` adds instances from Python."""
     deterministic: bool = False
     """Reproducible kernels: torch.use_deterministic_algorithms, cuDNN deterministic and not
     benchmarking, CUBLAS_WORKSPACE_CONFIG=:4096:8. Costs GPU speed (cuDNN cannot pick its
@@ -141,6 +146,9 @@ class TrainConfig:
             parse_time_limit(self.time_limit)
         except ValueError as exc:
             raise ConfigError(f"train.time_limit: {exc}") from None
+        for i, code in enumerate(self.hooks):
+            if (problem := code_problem(code)) is not None:
+                raise ConfigError(f"train.hooks[{i}]: {problem}")
 
 
 @dataclass

@@ -41,11 +41,22 @@ def image_size_pair(image_size: int | Sequence[int]) -> tuple[int, int]:
 
 
 def check_image_size(value: Any, key: str) -> int | list[int]:
-    """`value` checked as an input size: one side (an int) or [H, W] (a list, a tuple
-    becomes a list so that the saved config.yaml stays plain YAML).
+    """`value` checked as an input size: one side (an int), [H, W] (a list; a tuple becomes a
+    list so that the saved config.yaml stays plain YAML) or the text `N` / `HxW` (as the
+    command lines' --image-size takes it: `HxW` becomes [H, W]).
 
     Raises ConfigError naming `key` for anything else or a side under MIN_IMAGE_SIDE.
     """
+    given = value
+    if isinstance(value, str):
+        parts = value.strip().lower().split("x")
+        try:
+            sides = [int(p) for p in parts]
+        except ValueError:
+            sides = []
+        if len(sides) not in (1, 2):
+            raise ConfigError(f"{key}: expected N or HxW (e.g. 112 or 256x128), got {value!r}")
+        value = sides[0] if len(sides) == 1 else sides
     if isinstance(value, (list, tuple)):
         sides = list(value)
         if len(sides) != 2 or not all(
@@ -59,23 +70,17 @@ def check_image_size(value: Any, key: str) -> int | list[int]:
     else:
         raise ConfigError(f"{key}: expected one side or [height, width], got {value!r}")
     if min(sides) < MIN_IMAGE_SIDE:
-        raise ConfigError(f"{key}: {value!r} is too small (at least {MIN_IMAGE_SIDE} a side)")
+        raise ConfigError(f"{key}: {given!r} is too small (at least {MIN_IMAGE_SIDE} a side)")
     return sides if isinstance(value, (list, tuple)) else value
 
 
 def parse_image_size(text: str, key: str) -> int | tuple[int, int]:
-    """A command-line input size, `N` or `HxW` (e.g. `256x128`), as an int or (H, W).
+    """A command-line input size, `N` or `HxW` (e.g. `256x128`), as an int or (H, W): what
+    the config's `check_image_size` takes, checked the same way.
 
     Raises ConfigError naming `key` (the option) for anything else.
     """
-    parts = text.lower().split("x")
-    try:
-        sides = [int(p) for p in parts]
-    except ValueError:
-        sides = []
-    if len(sides) not in (1, 2):
-        raise ConfigError(f"{key}: expected N or HxW (e.g. 112 or 256x128), got {text!r}")
-    size = check_image_size(sides[0] if len(sides) == 1 else sides, key)
+    size = check_image_size(str(text), key)
     return size if isinstance(size, int) else (size[0], size[1])
 
 

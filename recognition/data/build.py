@@ -34,13 +34,11 @@ from recognition.data.gpu_decode import (
 )
 from recognition.data.image_folder import ImageFolderDataset
 from recognition.data.index import open_index
-from recognition.data.market_train import Market1501TrainDataset, PersonCropsDataset
-from recognition.data.recordio import RecordIODataset
-from recognition.data.reid_sets import reid_train_set
 from recognition.data.sampler import AugmentedView, IdentityBalancedSampler, ResumableSampler
 from recognition.data.source import TrainSource
 from recognition.data.teacher_table import TeacherTable
 from recognition.data.workers import exit_with_parent
+from recognition.registry import FORMATS, load
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +60,10 @@ def build_train_dataset(
     kind = resolve_format(data_cfg)
     size = data_cfg.image_hw
     policy = data_cfg.on_bad_image
-    if kind == "recordio":
-        return RecordIODataset(data_cfg.root, size, on_bad_image=policy)
-    if kind == "market1501":
-        return Market1501TrainDataset(data_cfg.root, size, on_bad_image=policy)
-    if kind in ("msmt17", "cuhk03"):
-        images = reid_train_set(data_cfg.root, kind, cuhk03_boxes=data_cfg.cuhk03_boxes)
-        return PersonCropsDataset(data_cfg.root, size, images, on_bad_image=policy)
+    if kind != "folder":  # registry.FORMATS' contract: (root, (H, W), on_bad_image=...)
+        extra = {"cuhk03_boxes": data_cfg.cuhk03_boxes} if kind == "cuhk03" else {}
+        source = load(FORMATS, kind, "data.format")
+        return source(data_cfg.root, size, on_bad_image=policy, **extra)
     index = open_index(
         data_cfg.root,
         cache_dir=data_cfg.cache_dir,

@@ -7,8 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from recognition.config import DataConfig
-from recognition.data.cuhk03 import image_folder, is_cuhk03, split_file
-from recognition.data.msmt17 import is_msmt17, release_folders
+from recognition.data.cuhk03 import image_folder, split_file
+from recognition.data.msmt17 import release_folders
+from recognition.registry import FORMATS
 
 TRAIN_FOLDER = "bounding_box_train"
 """The training crops' folder of a Market-1501 layout."""
@@ -28,21 +29,19 @@ def resolve_format(data_cfg: DataConfig) -> str:
         check_reid_release(root, data_cfg.format, data_cfg.cuhk03_boxes)
     if data_cfg.format != "auto":
         return data_cfg.format
-    if (root / "train.rec").is_file():
-        if not (root / "train.idx").is_file():
-            raise FileNotFoundError(
-                f"data.root: {root / 'train.rec'} has no train.idx beside it (the RecordIO "
-                "index of record offsets that comes with the pack); copy it there too"
-            )
-        return "recordio"
-    if (root / TRAIN_FOLDER).is_dir():
-        return "market1501"
-    if is_msmt17(root):
-        check_reid_release(root, "msmt17", data_cfg.cuhk03_boxes)
-        return "msmt17"
-    if is_cuhk03(root):
-        check_reid_release(root, "cuhk03", data_cfg.cuhk03_boxes)
-        return "cuhk03"
+    # The first format whose marker root holds (registry.FORMATS, in order), else folder.
+    for name, entry in FORMATS.items():
+        if not entry.marker or next(root.glob(entry.marker[0]), None) is None:
+            continue
+        for companion in entry.marker[1:]:
+            if not (root / companion).exists():
+                raise FileNotFoundError(
+                    f"data.root: {root / entry.marker[0]} has no {companion} beside it "
+                    f"(data.format {name}: {entry.about}); copy it there too"
+                )
+        if name in ("msmt17", "cuhk03"):  # the rest of the release, by its files
+            check_reid_release(root, name, data_cfg.cuhk03_boxes)
+        return name
     return "folder"
 
 

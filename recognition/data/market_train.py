@@ -20,7 +20,7 @@ import numpy as np
 from PIL import Image
 
 from recognition.data.market1501 import PersonImages
-from recognition.data.reid_sets import market_train
+from recognition.data.reid_sets import market_train, reid_train_set
 from recognition.data.source import BadImagePolicy, TrainSource
 from recognition.data.transforms import load_rgb, read_encoded
 
@@ -82,3 +82,27 @@ class Market1501TrainDataset(PersonCropsDataset):
     ) -> None:
         images = market_train(Path(root))
         super().__init__(root, image_size, images, train=train, on_bad_image=on_bad_image)
+
+
+def msmt17_train_dataset(
+    root: str | os.PathLike,
+    image_size: int | tuple[int, int],
+    *,
+    on_bad_image: BadImagePolicy = "error",
+) -> PersonCropsDataset:
+    """MSMT17's training crops (data.format=msmt17: list_train.txt with list_val.txt)."""
+    images = reid_train_set(root, "msmt17")
+    return PersonCropsDataset(root, image_size, images, on_bad_image=on_bad_image)
+
+
+def cuhk03_train_dataset(
+    root: str | os.PathLike,
+    image_size: int | tuple[int, int],
+    *,
+    on_bad_image: BadImagePolicy = "error",
+    cuhk03_boxes: str = "labeled",
+) -> PersonCropsDataset:
+    """CUHK03's training crops of the new protocol's split (data.format=cuhk03), of the
+    `cuhk03_boxes` (labeled or detected)."""
+    images = reid_train_set(root, "cuhk03", cuhk03_boxes=cuhk03_boxes)
+    return PersonCropsDataset(root, image_size, images, on_bad_image=on_bad_image)

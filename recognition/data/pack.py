@@ -78,7 +78,9 @@ def pack_folder(
 
 def main(argv: list[str] | None = None) -> int:
     """Command line; returns the exit status (1 with a message on bad input)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m recognition.data.pack", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("folder", type=Path, help="image folder: FOLDER/<identity>/<image>")
     parser.add_argument("out", type=Path, help="output directory for <name>.rec / <name>.idx")
     parser.add_argument("--name", default="train", help="base name of the pack (train)")

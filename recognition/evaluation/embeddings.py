@@ -1,4 +1,5 @@
-"""Embedding extraction, ``.npz`` export and verification of pairs from embeddings.
+"""Embedding extraction, ``.npz`` export (of any images, or of a whole folder:
+`export_folder`) and verification of pairs from embeddings.
 
 The embedding of an image is model(image) + model(horizontal flip of image), L2-normalised:
 the flip sum is the usual test-time augmentation for faces, which are near-symmetric.
@@ -6,6 +7,7 @@ the flip sum is the usual test-time augmentation for faces, which are near-symme
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import zipfile
@@ -21,10 +23,12 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from recognition.config import image_size_pair
-from recognition.data.pairs import Pairs
+from recognition.data.pairs import IMAGE_EXTENSIONS, Pairs
 from recognition.data.transforms import center_crop, load_rgb, to_input_tensor
 from recognition.data.workers import exit_with_parent
 from recognition.evaluation.verification import balanced_folds, evaluate_verification
+
+log = logging.getLogger(__name__)
 
 
 def load_image(
@@ -376,3 +380,38 @@ def verify_pairs(
         folds = balanced_folds(pairs.issame, num_folds)
     kwargs = {} if far_targets is None else {"far_targets": far_targets}
     return evaluate_verification(scores, pairs.issame, folds=folds, **kwargs)
+
+
+def list_images(root: Path) -> list[str]:
+    """Every image file under ``root`` (recursively), relative to it, sorted; POSIX separators."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"image folder not found: {root}")
+    suffixes = {e.lower() for e in IMAGE_EXTENSIONS}
+    paths = sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*")
+        if p.is_file() and p.suffix.lower() in suffixes
+    )
+    if not paths:
+        raise ValueError(f"{root}: no images ({', '.join(IMAGE_EXTENSIONS)}) found")
+    return paths
+
+
+def export_folder(
+    backbone: nn.Module,
+    root: Path,
+    out: Path,
+    image_size: int | tuple[int, int],
+    extraction: Extraction = DEFAULT_EXTRACTION,
+    *,
+    crop: int | None = None,
+) -> int:
+    """Embed every image under ``root`` and write ``out`` (.npz: embeddings, relative paths).
+
+    Returns the number of images.
+    """
+    paths = list_images(root)
+    embeddings = extraction(backbone, PathDataset(paths, size=image_size, root=root, crop=crop))
+    save_embeddings(out, embeddings, paths)
+    log.info("wrote %d embeddings to %s", len(paths), out)
+    return len(paths)

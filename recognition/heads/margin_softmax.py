@@ -42,7 +42,7 @@ logits of a shard would not fit (a few thousand classes per chunk costs little s
 Partial FC (`sample_rate` < 1; heads/partial_fc.py): in training, each rank keeps the
 classes of its shard that appear in the global batch plus a random sample of its other
 classes, and the softmax runs over the kept classes of every rank; evaluation (`.eval()` or
-no grad) uses every class. Kernels (`kernel`; heads/kernel_choice.py): "torch" is
+no grad) uses every class. Kernels (`kernel`; heads/tuning/kernel.py): "torch" is
 local_stats.py, "triton" the Triton kernels of heads/kernels/ (through triton_stats.py),
 "auto" the faster of the two, measured on a GPU. Input checks (heads/input_checks.py) read
 nothing on the host without partial FC: bad labels are asserted on the device.
@@ -67,15 +67,15 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from recognition import distributed
-from recognition.heads import tuning
 from recognition.heads.input_checks import InputChecks, check_arguments
-from recognition.heads.kernel_choice import KernelSelector, ShardShape, StatsInputs
 from recognition.heads.local_stats import l2_normalize
 from recognition.heads.margins import Margin
 from recognition.heads.optimizer_handover import OptimizerHandOver
 from recognition.heads.partial_fc import MAX_CLASSES, RowSampler
 from recognition.heads.smoothing import smoothed_loss, smoothing_terms
 from recognition.heads.triton_stats import FusedSGD
+from recognition.heads.tuning.kernel import KernelSelector, ShardShape, StatsInputs
+from recognition.heads.tuning.measure import TuningCache
 from recognition.sharded import mark_like, set_row_placement
 
 logger = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ class ShardedMarginSoftmax(OptimizerHandOver, nn.Module):
     gathered global batch. `chunk_size`: the torch path's logits that many classes at a
     time, recomputed in backward (memory O(global batch x chunk_size)); None, the whole
     shard. `sample_rate` < 1: partial FC, sampled by `seed` (partial_fc.py). `kernel`:
-    "torch", "triton" or "auto" (kernel_choice.py), `tuning_cache` the folder of measured
+    "torch", "triton" or "auto" (tuning/kernel.py), `tuning_cache` the folder of measured
     choices (None: `$XDG_CACHE_HOME/recognition`). `label_smoothing`: F.cross_entropy's eps
     over the margin-modified logits of all classes (smoothing.py; not with partial FC).
 
@@ -256,7 +256,7 @@ class ShardedMarginSoftmax(OptimizerHandOver, nn.Module):
         super().__init__()
         # head.kernel: which path computes the local statistics (measured for "auto"), and
         # where measured choices (and the kernels' tiles) are cached; logged as the head's.
-        self.tuning_cache = tuning.TuningCache(tuning_cache)
+        self.tuning_cache = TuningCache(tuning_cache)
         self._kernels = KernelSelector(kernel, self.tuning_cache, logger)
         num_ranks = distributed.world_size(group)
         shape = (num_classes, embedding_size, sample_rate, chunk_size, num_ranks, MAX_CLASSES)

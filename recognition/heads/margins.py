@@ -34,6 +34,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from recognition.registry import MARGINS, load
+
 
 class Margin(nn.Module):
     """Base class: `forward(cos_target)` maps target cosines to margin logits (before s).
@@ -336,16 +338,6 @@ class AdaFace(Margin):
         return f"s={self.scale}, m={self.m}, h={self.h}, t_alpha={self.t_alpha}"
 
 
-MARGINS: dict[str, type[Margin]] = {
-    "arcface": ArcFace,
-    "cosface": CosFace,
-    "sphereface": SphereFace,
-    "am_softmax": AMSoftmax,
-    "combined": CombinedMargin,
-    "adaface": AdaFace,
-}
-
-
 def build_margin(
     name: str,
     scale: float | None = None,
@@ -356,27 +348,27 @@ def build_margin(
     h: float | None = None,
     t_alpha: float | None = None,
 ) -> Margin:
-    """The margin called `name` (a key of MARGINS) with s = `scale` and its margin values.
+    """The margin called `name` (a key of `recognition.registry.MARGINS`) with s = `scale`
+    and its margin values.
 
-    None takes the margin's own default. `m` belongs to every margin but combined, `m1`,
-    `m2`, `m3` to combined, `h` and `t_alpha` to adaface; giving one to the wrong margin, an
-    unknown name, or an out-of-range value raises ValueError naming the config key (head.m,
-    ...).
+    None takes the margin's own default. A value the margin's entry does not list in its
+    `keys`, an unknown name, or an out-of-range value raises ValueError naming the config
+    key (head.m, ...).
     """
-    if name not in MARGINS:
-        raise ValueError(f"head.margin: unknown margin {name!r} (choose from {', '.join(MARGINS)})")
+    cls = load(MARGINS, name, "head.margin")
     kwargs: dict[str, float] = {}
     if scale is not None:
         kwargs["s"] = scale
-    own = {"combined": ("m1", "m2", "m3"), "adaface": ("m", "h", "t_alpha")}.get(name, ("m",))
     values = {"m": m, "m1": m1, "m2": m2, "m3": m3, "h": h, "t_alpha": t_alpha}
+    takes = MARGINS[name].keys
     for key, value in values.items():
         if value is None:
             continue
-        if key not in own:
-            if name == "combined" and key == "m":
-                raise ValueError("head.m: the combined margin takes head.m1, head.m2 and head.m3")
-            users = "combined" if key in ("m1", "m2", "m3") else "adaface"
-            raise ValueError(f"head.{key}: only used with head.margin={users}, not {name}")
+        if key not in takes:
+            users = " or ".join(n for n, entry in MARGINS.items() if key in entry.keys)
+            raise ValueError(
+                f"head.{key}: only used with head.margin={users}, not {name} (it takes "
+                f"{', '.join(f'head.{k}' for k in takes) or 'no margin value'})"
+            )
         kwargs[key] = value
-    return MARGINS[name](**kwargs)
+    return cls(**kwargs)

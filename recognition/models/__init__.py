@@ -1,15 +1,12 @@
 """Backbones: images in, embeddings (B, embedding_size) out.
 
-`BACKBONES` maps the config's `model.backbone` name to a constructor that takes the
-keyword-only arguments `embedding_size`, `width`, `dropout` and `image_size`: IResNet 18-200,
-MobileFaceNet (mbf, mbf_large) and the ViTs (vit_t ... vit_h) in arcface_torch's layouts,
-and torchvision's ResNet-50 for re-id.
+`BACKBONES` (recognition/registry.py) maps the config's `model.backbone` name to a
+constructor that takes the keyword-only arguments `embedding_size`, `width`, `dropout` and
+`image_size`: IResNet 18-200, MobileFaceNet (mbf, mbf_large) and the ViTs (vit_t ... vit_h)
+in arcface_torch's layouts, and torchvision's ResNet-50 for re-id.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from functools import partial
 
 from torch import nn
 
@@ -27,13 +24,7 @@ from recognition.models.iresnet import (
 from recognition.models.mobilefacenet import MBF_LAYOUTS, MobileFaceNet, mobilefacenet
 from recognition.models.resnet import ReIDResNet50, resnet50_reid
 from recognition.models.vit import VIT_SIZES, VisionTransformer, vit
-
-BACKBONES: dict[str, Callable[..., nn.Module]] = {
-    **{name: partial(iresnet, name) for name in IRESNET_LAYERS},
-    **{name: partial(mobilefacenet, name) for name in MBF_LAYOUTS},
-    **{name: partial(vit, name) for name in VIT_SIZES},
-    "resnet50_reid": resnet50_reid,
-}
+from recognition.registry import BACKBONES, load
 
 
 def build_backbone(name: str, **kwargs: object) -> nn.Module:
@@ -45,7 +36,24 @@ def build_backbone(name: str, **kwargs: object) -> nn.Module:
         raise ValueError(
             f"model.backbone: unknown backbone {name!r} (choose from {', '.join(BACKBONES)})"
         )
-    return BACKBONES[name](**kwargs)
+    return load(BACKBONES, name, "model.backbone")(**kwargs)
+
+
+def check_input_size(
+    backbone: nn.Module, image_size: int | tuple[int, int] | None, key: str
+) -> None:
+    """Refuse an `image_size` that a backbone built for one input size cannot take (an
+    IResNet: its fc layer is sized for the map of its own input size), naming `key` (the
+    flag or config key that asked for it); None or a backbone of any size passes."""
+    fixed = getattr(backbone, "image_size", None)
+    if image_size is None or fixed is None:
+        return
+    height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
+    if (height, width) != tuple(fixed):
+        raise ValueError(
+            f"{key} {height}x{width}: this checkpoint's backbone takes {fixed[0]}x{fixed[1]} "
+            f"images only (its layers are sized for them); leave {key} out"
+        )
 
 
 def use_neck_features(backbone: nn.Module) -> bool:
@@ -80,6 +88,7 @@ __all__ = [
     "VisionTransformer",
     "backbone_from_config",
     "build_backbone",
+    "check_input_size",
     "iresnet",
     "iresnet18",
     "iresnet34",

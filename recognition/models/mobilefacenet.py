@@ -258,3 +258,13 @@ def mobilefacenet(name: str, **kwargs: Any) -> MobileFaceNet:
         raise ValueError(f"unknown MobileFaceNet {name!r} (choose from {', '.join(MBF_LAYOUTS)})")
     blocks, scale = MBF_LAYOUTS[name]
     return MobileFaceNet(blocks, scale, **kwargs)
+
+
+def mbf(**kwargs: Any) -> MobileFaceNet:
+    """arcface_torch's `mbf` (`mobilefacenet("mbf", ...)`)."""
+    return mobilefacenet("mbf", **kwargs)
+
+
+def mbf_large(**kwargs: Any) -> MobileFaceNet:
+    """arcface_torch's `mbf_large` (`mobilefacenet("mbf_large", ...)`)."""
+    return mobilefacenet("mbf_large", **kwargs)

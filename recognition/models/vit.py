@@ -267,3 +267,28 @@ def vit(name: str, **kwargs: Any) -> VisionTransformer:
     if name not in VIT_SIZES:
         raise ValueError(f"unknown ViT {name!r} (choose from {', '.join(VIT_SIZES)})")
     return VisionTransformer(VIT_SIZES[name], **kwargs)
+
+
+def vit_t(**kwargs: Any) -> VisionTransformer:
+    """arcface_torch's `vit_t` (`vit("vit_t", ...)`)."""
+    return vit("vit_t", **kwargs)
+
+
+def vit_s(**kwargs: Any) -> VisionTransformer:
+    """arcface_torch's `vit_s` (`vit("vit_s", ...)`)."""
+    return vit("vit_s", **kwargs)
+
+
+def vit_b(**kwargs: Any) -> VisionTransformer:
+    """arcface_torch's `vit_b` (`vit("vit_b", ...)`)."""
+    return vit("vit_b", **kwargs)
+
+
+def vit_l(**kwargs: Any) -> VisionTransformer:
+    """arcface_torch's `vit_l` (`vit("vit_l", ...)`)."""
+    return vit("vit_l", **kwargs)
+
+
+def vit_h(**kwargs: Any) -> VisionTransformer:
+    """arcface_torch's `vit_h` (`vit("vit_h", ...)`)."""
+    return vit("vit_h", **kwargs)

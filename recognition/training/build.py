@@ -41,11 +41,10 @@ from recognition.data.source import TrainSource
 from recognition.data.synthetic import ensure_synthetic_dataset
 from recognition.data.teacher_table import TeacherTable
 from recognition.distributed import DistInfo
-from recognition.evaluation.run import check_training_targets, run_targets
+from recognition.evaluation.targets import check_training_targets, run_targets
 from recognition.heads import ShardedMarginSoftmax, build_head
 from recognition.heads.triplet import TrainingLoss
 from recognition.models import backbone_from_config, use_neck_features
-from recognition.models.freeze import freeze_batch_norm
 from recognition.optim import (
     OptimizerState,
     build_optimizer,
@@ -69,14 +68,14 @@ from recognition.training.backbone_check import check_backbone
 from recognition.training.distill import Distillation
 from recognition.training.errors import TrainingError
 from recognition.training.finetune import start_from_file
-from recognition.training.head_only import HeadOnlyGate
+from recognition.training.finetune.freeze import freeze_batch_norm
+from recognition.training.finetune.head_only import HeadOnlyGate
+from recognition.training.finetune.init_backbone import InitBackbone
 from recognition.training.holdout import hold_out, holdout_wanted
-from recognition.training.init_backbone import InitBackbone
-from recognition.training.parts import ModelParts
+from recognition.training.parts import ModelParts, compile_model, wrap_model
 from recognition.training.pipeline_step import PipelineStep, build_pipeline_step
 from recognition.training.state import Progress, RngState
 from recognition.training.step import train_step
-from recognition.training.wrapping import compile_model, wrap_model
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""`TrainingError`: a run that cannot go on, raised by building, resuming, the loop, its
-hooks and the memory check alike (below all of them, so that each imports it downward)."""
+"""`TrainingError`, the training package's error: a run that cannot go on, raised by
+building, resuming, the loop, its hooks and the memory check alike, and told apart from a
+bug by train.py (one line, no traceback)."""
 
 
 class TrainingError(RuntimeError):

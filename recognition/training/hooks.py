@@ -1,9 +1,10 @@
 """The side effects of training steps, as hooks the loop calls around each step.
 
-A hook overrides any of `before_train`, `before_epoch`, `after_step`, `after_epoch`,
-`after_train`; the loop calls every hook in list order (see `default_hooks` for the order
-and why). Collective hooks (logging, evaluation, checkpoints, the epoch's bad-image count)
-run on every rank at the same steps.
+A hook overrides any of `before_train`, `before_epoch`, `before_step`, `after_step`,
+`after_epoch`, `after_train`; the loop calls every hook in list order (see `default_hooks`
+for the order and why), then those a run adds: `train.hooks` (`config_hooks`) and
+`train(cfg, hooks=[...])`. Collective hooks (logging, evaluation, checkpoints, the epoch's
+bad-image count) run on every rank at the same steps.
 
 A step's `StepResult` holds device tensors. Hooks read them on the host only at logging
 intervals (`log_due`: every `train.log_every` steps and the last), so that the steps in
@@ -30,16 +31,15 @@ from tqdm import tqdm
 from recognition import checkpoint as ckpt
 from recognition import distributed
 from recognition.config import EvalTarget, ExperimentConfig
+from recognition.config.eval import LOWER_IS_BETTER
 from recognition.distributed import DistInfo
-from recognition.evaluation.run import (
-    evaluate_config_targets,
-    metric_values,
-    run_targets,
-    write_json,
-)
+from recognition.evaluation.protocols import protocol_for, scalars
+from recognition.evaluation.report import write_json
+from recognition.evaluation.targets import evaluate_config_targets, run_targets
 from recognition.logging import MetricsWriter
 from recognition.optim import scheduled_lr
 from recognition.precision import StepResult
+from recognition.registry import load_code
 from recognition.training.build import Run, TrainingError
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,24 @@ def default_hooks(run: Run, metrics: MetricsWriter) -> list[Hook]:
         BadImageReport(),
         ProgressBar(),
     ]
+
+
+def config_hooks(cfg: ExperimentConfig) -> list[Hook]:
+    """The hooks `train.hooks` names ("package.module:Class"), each made with no argument.
+    Raises TrainingError naming the entry whose code is not there or is not a Hook."""
+    hooks = []
+    for i, code in enumerate(cfg.train.hooks):
+        try:
+            made = load_code(code, f"train.hooks[{i}]")()
+        except ImportError as exc:
+            raise TrainingError(str(exc)) from None
+        if not isinstance(made, Hook):
+            raise TrainingError(
+                f"train.hooks[{i}]: {code} made a {type(made).__name__}, not a "
+                "recognition.training.hooks.Hook"
+            )
+        hooks.append(made)
+    return hooks
 
 
 class FirstStepTimer(Hook):
@@ -366,7 +384,9 @@ class ProgressBar(Hook):
 
 
 class PeriodicEvaluation(Hook):
-    """Verification every ``eval.every_steps`` optimizer steps, and the best backbone kept.
+    """Evaluation every ``eval.every_steps`` optimizer steps, on each target through its
+    protocol (verification, IJB, re-id: `recognition.evaluation.protocols`), and the best
+    backbone kept.
 
     Call :meth:`due` every step and :meth:`run` (on every rank: it is collective) when it is
     true. Rank 0 evaluates a float copy of the backbone on the run's targets while the other
@@ -389,9 +409,12 @@ class PeriodicEvaluation(Hook):
         self.dist_info = dist_info
         self.metrics = metrics
         self.run_dir = cfg.run_dir
+        self.protocols = [protocol_for(target) for target in self.targets]
         self.best_value: float | None = None
         best_metric = cfg.eval.best_metric
-        self.lower_is_better = best_metric is not None and best_metric.endswith("/eer")
+        self.lower_is_better = (
+            best_metric is not None and best_metric.rpartition("/")[2] in LOWER_IS_BETTER
+        )
         best_file = self.run_dir / "best.json"
         if dist_info.is_main and best_metric is not None and best_file.is_file():
             try:
@@ -440,15 +463,11 @@ class PeriodicEvaluation(Hook):
             results = evaluate_config_targets(
                 cfg, model, device, progress=False, xnorm=True, targets=self.targets
             )
-        values: dict[str, float] = {}
-        for name, result in results.items():
-            values.update(metric_values(name, result))
+        values = scalars(self.protocols, results)
         self.metrics.log(step, {"epoch": epoch, **values}, prefix=None)
-        log.info(
-            "step %d eval: %s",
-            step,
-            ", ".join(f"{n} accuracy {100 * r['accuracy']:.2f}%" for n, r in results.items()),
-        )
+        # Each target's first metric (verification: accuracy; re-id: mAP; IJB: AUC, rank-1).
+        firsts = [(p.name, *next(iter(p.scalars(results[p.name]).items()))) for p in self.protocols]
+        log.info("step %d eval: %s", step, ", ".join(f"{n} {m} {v:.4g}" for n, m, v in firsts))
         if cfg.eval.best_metric is not None:
             self._keep_best(step, values, model)
         return results

@@ -20,7 +20,7 @@ import gc
 import itertools
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -36,8 +36,8 @@ from recognition.logging import MetricsWriter, setup_logging
 from recognition.preflight import InputError, input_problems
 from recognition.training.build import Run, TrainingError, build, build_data
 from recognition.training.determinism import deterministic_mode
-from recognition.training.hooks import Hook, default_hooks
-from recognition.training.init_backbone import read_init_backbone
+from recognition.training.finetune.init_backbone import read_init_backbone
+from recognition.training.hooks import Hook, config_hooks, default_hooks
 from recognition.training.resume import resume, resume_path
 from recognition.training.state import seed_everything
 from recognition.training.stopping import (
@@ -52,18 +52,21 @@ from recognition.training.teacher_cache import prepare_distillation
 log = logging.getLogger(__name__)
 
 
-def train(cfg: ExperimentConfig, *, inputs_checked: bool = False) -> Path:
+def train(
+    cfg: ExperimentConfig, *, inputs_checked: bool = False, hooks: Sequence[Hook] = ()
+) -> Path:
     """Train as `cfg` says, on this process or as one rank of a torchrun job.
 
     Returns the run directory. Every rank must call it with the same config.
     `inputs_checked`: the caller (train.py) has found no problem with `input_problems(cfg)`
-    on every rank; otherwise rank 0 looks at the inputs before any work.
+    on every rank; otherwise rank 0 looks at the inputs before any work. `hooks`: hooks of
+    the caller's, called after the built-in ones and those of `train.hooks`.
     """
     with deterministic_mode(cfg.train.deterministic):
-        return _train(cfg, inputs_checked)
+        return _train(cfg, inputs_checked, hooks)
 
 
-def _train(cfg: ExperimentConfig, inputs_checked: bool) -> Path:
+def _train(cfg: ExperimentConfig, inputs_checked: bool, extra_hooks: Sequence[Hook]) -> Path:
     # A group made by a caller (a test) is the caller's to tear down; ours is ours.
     owns_group = not (dist.is_available() and dist.is_initialized())
     dist_info = distributed.init_distributed(
@@ -98,7 +101,8 @@ def _train(cfg: ExperimentConfig, inputs_checked: bool) -> Path:
     stopped: RunStopped | None = None
     try:
         with catcher.installed():
-            run_loop(run, [stop, *default_hooks(run, metrics)])
+            hooks = [stop, *default_hooks(run, metrics), *config_hooks(cfg), *extra_hooks]
+            run_loop(run, hooks)
             stopped = stopped_run(run) if run.stop_reason is not None else None
     finally:
         metrics.close()
@@ -267,10 +271,17 @@ def _finish(run: Run) -> None:
     ckpt.export_backbone(path, backbone, dataclasses.asdict(cfg.model), cfg.data.image_size)
     log.info("wrote %s", path)
     if cfg.eval.at_end and run.eval_targets:
-        from recognition.evaluation.run import evaluate_config_targets, report
+        from recognition.evaluation.protocols import protocol_for, report
+        from recognition.evaluation.targets import evaluate_config_targets
 
         model = copy.deepcopy(backbone).float().eval()
         results = evaluate_config_targets(
             cfg, model, run.dist_info.device, progress=cfg.train.progress, targets=run.eval_targets
         )
-        report(results, json_path=cfg.run_dir / "eval.json", roc_path=cfg.run_dir / "roc.png")
+        protocols = [protocol_for(target) for target in run.eval_targets]
+        report(
+            protocols,
+            results,
+            json_path=cfg.run_dir / "eval.json",
+            roc_path=cfg.run_dir / "roc.png",
+        )

@@ -1,6 +1,7 @@
-"""`ModelParts`: what one rank steps, as `build.build_model` makes it for training and the
-run planner (`recognition.training.plan`) makes it on fake tensors; below both, so that
-neither imports the other for it."""
+"""What one rank steps: its parts (`ModelParts`, as `build.build_model` makes them for
+training and the run planner, `recognition.training.plan`, on fake tensors), the backbone
+among them wrapped for training (`wrap_model`: DistributedDataParallel over the ranks, and
+torch.compile over it with train.compile)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+from recognition.config import ExperimentConfig
+from recognition.distributed import DistInfo
 from recognition.heads import ShardedMarginSoftmax
+from recognition.models.cpu_layout import cpu_compile_options
 from recognition.precision import Precision, StepResult
 
 
@@ -32,3 +37,31 @@ class ModelParts:
         return self.step(
             self.model, self.head, micro_batches, self.optimizer, self.precision, grad_clip
         )
+
+
+def wrap_model(cfg: ExperimentConfig, dist_info: DistInfo, backbone: nn.Module) -> nn.Module:
+    """`backbone` as the step runs it: under DDP with several ranks, compiled with train.compile."""
+    # The backbone is replicated: DDP broadcasts rank 0's weights now and averages the
+    # gradients in backward. The head is not wrapped: its shard is this rank's alone.
+    model: nn.Module = backbone
+    if dist_info.is_distributed:
+        device = dist_info.device
+        model = DistributedDataParallel(
+            backbone, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    if cfg.train.compile:
+        # Compiled over the DDP wrapper, so that DDP's optimizer splits the graph at its
+        # gradient buckets and all-reduces overlap the backward pass.
+        model = compile_model(model, cfg, dist_info.device)
+    return model
+
+
+def compile_model(model: nn.Module, cfg: ExperimentConfig, device: torch.device) -> nn.Module:
+    """`model` under torch.compile with train.compile_mode and train.compile_backend, for
+    training on `device`."""
+    backend, mode = cfg.train.compile_backend, cfg.train.compile_mode
+    if backend == "inductor" and device.type == "cpu":
+        # No layout optimisation on a CPU: it would make the convolutions channels-last and
+        # reach oneDNN's broken weight gradient (recognition.models.cpu_layout).
+        return torch.compile(model, backend=backend, options=cpu_compile_options(mode))
+    return torch.compile(model, mode=mode, backend=backend)

@@ -34,7 +34,7 @@ from recognition.evaluation.onnx_model import (
     is_onnx_file,
 )
 from recognition.models import build_backbone
-from recognition.training.init_backbone import check_state_fits
+from recognition.training.finetune.init_backbone import check_state_fits
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,7 @@ One concern a module, each importing only those above it in this list:
     report           the console tables, JSON and ROC plot of both modes
 
 The names below are those ``recognition.evaluation.ijb`` has always offered (and
-``IJBOptions``); the 1:N ones are in ``search_protocol``, ``search`` and ``report``, and
-:mod:`recognition.evaluation.ijb_search` offers them under its former name.
+``IJBOptions``); the 1:N ones are in ``search_protocol``, ``search`` and ``report``.
 """
 
 from recognition.evaluation.ijb.features import (

@@ -188,6 +188,7 @@ def protocol_features(
     protocol: IJBProtocol,
     *,
     checkpoint: str | os.PathLike | None = None,
+    backbone: nn.Module | None = None,
     features_path: str | os.PathLike | None = None,
     image_size: int | Sequence[int] | None = None,
     extraction: Extraction = DEFAULT_EXTRACTION,
@@ -195,7 +196,8 @@ def protocol_features(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Image features (I, D) and readable mask (I,) of ``protocol``: from ``features_path``
     when it is a file, else by the backbone of ``checkpoint`` (any file `load_model` reads:
-    an ONNX model fed as ``onnx_input`` says) written to ``features_path`` when given. Both
+    an ONNX model fed as ``onnx_input`` says), or by ``backbone`` itself, written to
+    ``features_path`` when given. Both
     modes call it, so one file serves 1:1 and 1:N.
 
     The file records the release, flip, input size and a digest of the model's weights; a
@@ -205,8 +207,9 @@ def protocol_features(
     """
     cached = cached_features(features_path)
     settings = {"release": protocol.name, "flip": str(extraction.flip)}
-    backbone = None
-    if checkpoint is not None:
+    if backbone is not None:
+        settings["model"] = model_digest(backbone)
+    elif checkpoint is not None:
         device = torch.device("cpu") if cached else (extraction.device or torch.device("cpu"))
         backbone, trained_size = load_model(checkpoint, device, onnx_input)
         image_size = image_size or trained_size
@@ -221,7 +224,8 @@ def protocol_features(
             raise ValueError("--ijb: needs --checkpoint (or an existing --save-features file)")
         features, readable = image_features(backbone, protocol, image_size, extraction)
         if features_path is not None:
-            settings["checkpoint"] = str(Path(checkpoint).resolve())
+            if checkpoint is not None:
+                settings["checkpoint"] = str(Path(checkpoint).resolve())
             save_features(features_path, features, readable, protocol.images, settings)
             log.info("wrote the features of %d images to %s", len(features), features_path)
     num_unreadable = int((~readable).sum())

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from recognition.evaluation.embeddings import Extraction
 from recognition.evaluation.ijb.features import cached_features, protocol_features
@@ -37,7 +38,8 @@ class IJBOptions:
 
     With ``features_path`` naming an existing file the image features come from it (no
     model runs; it must have been made with the same release, flip and, when given, the same
-    checkpoint weights and input size); otherwise the backbone of ``checkpoint`` embeds every
+    checkpoint weights and input size); otherwise the backbone of ``checkpoint`` (or
+    ``backbone``, a float32 module in eval mode: the evaluation during training) embeds every
     image (at ``image_size``, default the checkpoint's) and, with ``features_path``, they are
     saved there. ``score_weight`` weighs each image's feature by its detector score before
     pooling; ``onnx_input`` how an ONNX ``checkpoint`` wants its images (None: as training
@@ -47,6 +49,7 @@ class IJBOptions:
     """
 
     checkpoint: str | os.PathLike | None = None
+    backbone: nn.Module | None = None
     features_path: str | os.PathLike | None = None
     image_size: int | Sequence[int] | None = None
     score_weight: bool = False
@@ -98,6 +101,7 @@ def release_templates(
     features, readable = protocol_features(
         protocol,
         checkpoint=options.checkpoint,
+        backbone=options.backbone,
         features_path=options.features_path,
         image_size=options.image_size,
         extraction=options.extraction(),

@@ -35,7 +35,7 @@ bytes), and so did the first version of these kernels, which held whole D_PAD-wi
 tiles: at D = 512, bf16, 64x64 tiles, 2 stages, the backward kernels needed 262,912 and
 270,592 bytes of shared memory (past the H100's limit: they could not launch) and spilled
 1,384 to 3,480 bytes. These tiles are chosen for what fits, and bound what is tried: on a
-GPU, tile_tuning.py times them and their neighbours of no larger footprint at the run's
+GPU, heads/tuning/tiles.py times them and their neighbours of no larger footprint at the run's
 shapes and keeps the fastest (`default_tiles` stays the table's).
 tests/test_head_kernel_compile.py checks D = 512 with bf16 operands in CI.
 

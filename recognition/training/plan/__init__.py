@@ -6,7 +6,7 @@ the breakdown of the peak); `search` finds the largest batch and class count tha
 `memory_check` refuses a GPU run whose plan does not fit. The planner sits above
 `recognition.training.build` (it builds the run's parts with `build_model`), which never
 imports it: the training loop calls the memory check. `python train.py --plan` prints a
-plan (`recognition.training.plan_report`); `recognition.training.plan_check` measures the
+plan (`recognition.training.plan.report`); `recognition.training.plan.check` measures the
 same step on real tensors.
 """
 

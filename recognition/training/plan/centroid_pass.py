@@ -1,6 +1,6 @@
 """The memory of head.init=centroids's pass before step 1, for the run planner.
 
-The pass (`recognition.training.centroids`) runs before the precision level casts the model
+The pass (`recognition.training.finetune.centroids`) runs before the precision level casts the model
 and before the optimizer exists: the fp32 backbone in eval mode, the fp32 shard of class
 rows, one batch of images through the backbone under no_grad, and its float64 embeddings and
 per-class sums. Planned like the step: built and run on fake tensors while `TensorMemory`

@@ -28,8 +28,8 @@ from recognition.tensor_memory import TensorMemory, upper_bound
 from recognition.training.build import build_model
 from recognition.training.distill import Distillation
 from recognition.training.parts import ModelParts
+from recognition.training.plan.roofline import StepCost
 from recognition.training.plan.teacher_pass import fake_targets, planned_distillation
-from recognition.training.roofline import StepCost
 from recognition.training.teacher import teacher_outline
 
 

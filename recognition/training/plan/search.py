@@ -3,7 +3,7 @@
 `largest` finds the boundary of a growing, convex peak (a secant, then bisection);
 `largest_batch` and `largest_classes` run it over plans of the rank with the highest peak
 (`plan.rank.plan_rank`, peak only). `python train.py --plan` prints both
-(`recognition.training.plan_report`); the memory check names the batch
+(`recognition.training.plan.report`); the memory check names the batch
 (`plan.memory_check`).
 """
 

@@ -9,8 +9,8 @@ from recognition.config import ExperimentConfig
 from recognition.data.source import TrainSource
 from recognition.distributed import DistInfo
 from recognition.heads import ShardedMarginSoftmax
-from recognition.training.centroids import init_centroids
-from recognition.training.init_backbone import InitBackbone, load_init_backbone
+from recognition.training.finetune.centroids import init_centroids
+from recognition.training.finetune.init_backbone import InitBackbone, load_init_backbone
 
 
 def start_from_file(

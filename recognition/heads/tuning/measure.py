@@ -1,13 +1,11 @@
-"""What the head decides by timing on a GPU, and the cache that keeps it between runs.
+"""What both choices by timing share (`recognition.heads.tuning`): the timer of a step and
+the cache that keeps a measurement between runs.
 
-Two choices are measured rather than fixed: `head.kernel=auto` times a few training steps of
-both implementations of the local statistics at the run's shapes and takes the faster
-(`choose_kernel`, called by the head at its first forward on a CUDA device), and the Triton
-kernels time their candidate tiles (`kernels/tile_tuning.py`). A measurement costs seconds
-once; its result is kept in a JSON file per kind in a cache folder - `head.tuning_cache`, by
-default `$XDG_CACHE_HOME/recognition` (`~/.cache/recognition`) - under a key that names the
-device, the torch and Triton versions and the shapes, so that a later run on the same kind
-of GPU at the same shapes starts without measuring.
+A measurement costs seconds once; its result is kept in a JSON file per kind in a cache
+folder - `head.tuning_cache`, by default `$XDG_CACHE_HOME/recognition`
+(`~/.cache/recognition`) - under a key that names the device, the torch and Triton versions
+and the shapes, so that a later run on the same kind of GPU at the same shapes starts
+without measuring.
 
 The cache is only ever a shortcut: a file that does not parse (or was written by another
 version of this format) is ignored with one warning and rewritten by the next measurement,
@@ -21,12 +19,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +31,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 CACHE_VERSION = 1
-PATHS = ("torch", "triton")  # the order in which choose_kernel measures them
 
 
 def default_cache_dir() -> Path:
@@ -78,7 +73,7 @@ class TuningCache:
 
     def get(self, kind: str, key: Mapping[str, Any]) -> dict | None:
         """The entry stored under `key`, or None."""
-        return self._load(kind).get(_key_text(key))
+        return self._load(kind).get(key_text(key))
 
     def entries(self, kind: str) -> list[dict]:
         """Every entry of `kind` (each holds its key under "key"), for reports."""
@@ -87,7 +82,7 @@ class TuningCache:
     def put(self, kind: str, key: Mapping[str, Any], value: Mapping[str, Any]) -> None:
         """Store `value` under `key` (a warning, not an error, when the folder is not writable)."""
         entries = self._load(kind)
-        entries[_key_text(key)] = {**value, "key": dict(key)}
+        entries[key_text(key)] = {**value, "key": dict(key)}
         path = self.path(kind)
         payload = {"version": CACHE_VERSION, "entries": entries}
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -129,7 +124,7 @@ class TuningCache:
             logger.warning(message)
 
 
-def _key_text(key: Mapping[str, Any]) -> str:
+def key_text(key: Mapping[str, Any]) -> str:
     return json.dumps(dict(key), sort_keys=True, default=str)
 
 
@@ -153,80 +148,3 @@ def time_steps(
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-@dataclass
-class KernelChoice:
-    """What `head.kernel=auto` chose, from which seconds per step (inf where a path failed)."""
-
-    kernel: str
-    seconds: dict[str, float]
-    errors: dict[str, str] = field(default_factory=dict)
-    source: str = "measured"  # or the cache file it came from
-
-    def describe(self) -> str:
-        """'triton, 3.10 ms per step against 5.20 ms for torch' and any failure."""
-        other = "torch" if self.kernel == "triton" else "triton"
-        text = (
-            f"{self.kernel}, {_ms(self.seconds[self.kernel])} per step against "
-            f"{_ms(self.seconds[other])} for {other}"
-        )
-        for path, error in self.errors.items():
-            text += f"; the {path} path failed: {error}"
-        return text
-
-
-def _ms(seconds: float) -> str:
-    return "-" if not math.isfinite(seconds) else f"{seconds * 1e3:.2f} ms"
-
-
-def choose_kernel(
-    key: Mapping[str, Any],
-    measure: Callable[[str], float],
-    cache: TuningCache | None,
-    agree: Callable[[list[float]], list[float]] | None = None,
-) -> KernelChoice:
-    """Torch or Triton for the head's local statistics, whichever steps faster.
-
-    `measure(path)` returns seconds per training step of "torch", then of "triton"; an
-    exception makes that path's time infinite (an out-of-memory torch path, a kernel that
-    does not compile), and its first line is kept. The times are read from `cache` under
-    `key` when there, and stored there after a measurement in which both paths ran.
-    `agree` maps this process's times to the ones every rank decides from (the maximum over
-    the ranks: a step ends when the slowest rank is done), so that all ranks choose alike.
-    Triton wins only when strictly faster; with both paths failed the choice is torch, whose
-    own error then surfaces in the run.
-    """
-    entry = cache.get("kernel", key) if cache is not None else None
-    seconds = _cached_seconds(entry)
-    errors: dict[str, str] = {}
-    source = "measured"
-    if seconds is not None:
-        assert cache is not None
-        source = str(cache.path("kernel"))
-    else:
-        seconds = []
-        for path in PATHS:
-            try:
-                seconds.append(float(measure(path)))
-            except Exception as exc:  # any failure rules the path out; the run goes on
-                seconds.append(math.inf)
-                lines = str(exc).strip().splitlines() or [""]
-                errors[path] = f"{type(exc).__name__}: {lines[0]}"
-        if cache is not None and not errors:
-            cache.put("kernel", key, {"seconds": dict(zip(PATHS, seconds, strict=True))})
-    if agree is not None:
-        seconds = agree(seconds)
-    by_path = dict(zip(PATHS, seconds, strict=True))
-    kernel = "triton" if by_path["triton"] < by_path["torch"] else "torch"
-    return KernelChoice(kernel, by_path, errors, source)
-
-
-def _cached_seconds(entry: dict | None) -> list[float] | None:
-    if entry is None:
-        return None
-    try:
-        seconds = [float(entry["seconds"][path]) for path in PATHS]
-    except (KeyError, TypeError, ValueError):
-        return None
-    return seconds if all(s > 0 for s in seconds) else None

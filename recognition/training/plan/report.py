@@ -22,7 +22,7 @@ from recognition.training.plan import (
     plan_run,
     usable_bytes,
 )
-from recognition.training.roofline import DEVICES
+from recognition.training.plan.roofline import DEVICES
 
 # The project's own measurements on an H100 (the issues' benchmarks), printed beside the
 # bound so that a reader sees how far real steps are from it.
@@ -112,7 +112,8 @@ def format_plan(plan: RunPlan) -> str:
     col = max(16, *(len(h) for h in heads), *(len(c) for _, cells in rows for c in cells))
     per = "GPU" if plan.pipeline is None else f"replica ({plan.pipeline})"
     lines = [
-        f"plan: {plan.config_name}, {plan.world_size} GPUs, {plan.num_classes:,} classes, "
+        f"plan: {plan.config_name}, {plan.world_size} GPU{'s' * (plan.world_size != 1)}, "
+        f"{plan.num_classes:,} classes, "
         f"batch {plan.batch_size} per {per}, {plan.precision}",
         " " * width + "".join(h.rjust(col + 2) for h in heads),
     ]

@@ -8,7 +8,7 @@ with each of its candidates - the table's tiles and their neighbours (one more p
 stage, half the class or row block, more warps, a wider step over D, ...) whose register
 footprint (`footprint`: the fp32 values per thread of the tiles a program keeps live) is no
 larger than the table's, so that they fit where it fits - and the fastest is kept: in
-memory for the process, and in the tuning cache (`heads/tuning.py`, file
+memory for the process, and in the tuning cache (`tuning/measure.py`, file
 `head-tiles.json`) for later runs, with every candidate's time. A candidate that does not
 launch (more shared memory than the GPU offers: Triton raises OutOfResources) or fails
 otherwise is dropped; the table's tiles stay when no candidate runs.
@@ -37,7 +37,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from recognition.heads import tuning
+from recognition.heads.tuning import measure
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def should_tune(device: torch.device, shape: TuneShape) -> bool:
 def tiles_for(
     device: torch.device,
     shape: TuneShape,
-    cache: tuning.TuningCache | None,
+    cache: measure.TuningCache | None,
     timer: Callable[[Callable[[], object]], float] | None = None,
 ):
     """The TileConfig for a launch of `shape` on `device`: the table's (`default_tiles`)
@@ -189,11 +189,11 @@ def tiles_for(
     launch = (device, shape, torch.are_deterministic_algorithms_enabled(), table)
     if launch in _CONFIGS:
         return _CONFIGS[launch]
-    timer = timer or (lambda run: tuning.time_steps(run, device, repeats=5))
+    timer = timer or (lambda run: measure.time_steps(run, device, repeats=5))
     chosen, problem = {}, None
     for name in tuned_kernels(table):
         key = tile_key(name, device, shape, table.backward)
-        text = tuning._key_text(key)
+        text = measure.key_text(key)
         tiles = _TUNED.get(text)
         if tiles is None:
             tiles = _cached_tiles(cache, key)
@@ -224,8 +224,8 @@ def tile_key(kernel: str, device: torch.device, shape: TuneShape, backward: str 
     different kernel for the compiler, with other tiles to try)."""
     key = {
         "kernel": kernel,
-        "device": tuning.device_name(device),
-        **tuning.software_versions(),
+        "device": measure.device_name(device),
+        **measure.software_versions(),
         "rows": shape.num_rows,
         "dim": shape.dim,
         "classes": min(shape.num_classes, TUNE_CLASSES),
@@ -242,7 +242,7 @@ def tile_key(kernel: str, device: torch.device, shape: TuneShape, backward: str 
     return key
 
 
-def _cached_tiles(cache: tuning.TuningCache | None, key: dict):
+def _cached_tiles(cache: measure.TuningCache | None, key: dict):
     entry = cache.get("tiles", key) if cache is not None else None
     if entry is None:
         return None
@@ -289,7 +289,7 @@ def _log_tuned(name, shape, device, tiles, table_tiles, timings) -> None:
         "head tiles: %s at N %d, D %d, %s operands on %s: %s (%s ms; the table's %s: %s ms; "
         "%d candidates timed, %d did not run)",
         name, shape.num_rows, shape.dim, operand_kind(device, shape.matmul_dtype),
-        tuning.device_name(device), describe(tiles), _fmt_ms(best_ms), describe(table_tiles),
+        measure.device_name(device), describe(tiles), _fmt_ms(best_ms), describe(table_tiles),
         _fmt_ms(table_ms), len(timings), failed,
     )  # fmt: skip
 

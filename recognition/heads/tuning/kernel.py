@@ -9,9 +9,9 @@ forward-and-backward steps of both paths on that forward's own tensors - N, D, t
 classes, the partial-FC sample, the matmul dtype, the chunk size - without touching the
 weight, takes the maximum of each time over the ranks (so that every rank chooses alike)
 and keeps the faster, logging one line with both times; the times are cached per device
-name, versions and shapes (heads/tuning.py), so a later run at the same shapes starts
+name, versions and shapes (`measure.TuningCache`), so a later run at the same shapes starts
 without measuring. Elsewhere (the CPU, the interpreter, float64) auto is torch, with one
-log line. The Triton path's tiles are timed too (heads/kernels/tile_tuning.py).
+log line. The Triton path's tiles are timed too (`tiles`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import math
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -29,11 +30,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from recognition.heads import tuning
 from recognition.heads.local_stats import BLOCK_SIZE, LocalClassStats
 from recognition.heads.triton_stats import FusedSGD, TritonClassStats
+from recognition.heads.tuning import measure as measuring
+from recognition.heads.tuning.measure import TuningCache
 
 KERNELS = ("auto", "triton", "torch")
+PATHS = ("torch", "triton")  # the order in which choose_kernel measures them
 
 
 def triton_interpreting() -> bool:
@@ -83,7 +86,7 @@ class KernelSelector:
     is kept per (device type, statistics dtype). Choices go to `logger` (the head's), each
     notice once."""
 
-    def __init__(self, kernel: str, cache: tuning.TuningCache, logger: logging.Logger) -> None:
+    def __init__(self, kernel: str, cache: TuningCache, logger: logging.Logger) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"head.kernel: {kernel!r} is not one of {', '.join(KERNELS)}")
         if kernel == "triton" and importlib.util.find_spec("triton") is None:
@@ -173,7 +176,7 @@ class KernelSelector:
                 self.auto[where] = measure().kernel
         return self.auto[where] == "triton"
 
-    def measure(self, shard: ShardShape, inputs: StatsInputs) -> tuning.KernelChoice:
+    def measure(self, shard: ShardShape, inputs: StatsInputs) -> KernelChoice:
         """head.kernel=auto: time a few training steps of the local statistics (forward and
         backward, weight untouched) on this forward's tensors with either implementation, or
         read the times from the cache, agree with the other ranks and log the choice."""
@@ -182,8 +185,8 @@ class KernelSelector:
         row_index = inputs.row_index
         num_taking_part = shard.num_local if row_index is None else row_index.numel()
         key = {
-            "device": tuning.device_name(device),
-            **tuning.software_versions(),
+            "device": measuring.device_name(device),
+            **measuring.software_versions(),
             "rows": num_rows,
             "dim": shard.embedding_size,
             "classes": shard.num_local,
@@ -208,7 +211,7 @@ class KernelSelector:
                     torch.autograd.backward(outputs[1:], [torch.ones_like(o) for o in outputs[1:]])
                 timed.norm_embeddings.grad = timed_shard.weight.grad = None
 
-            return tuning.time_steps(step, device)
+            return measuring.time_steps(step, device)
 
         def agree(seconds: list[float]) -> list[float]:
             if shard.world_size == 1:
@@ -217,7 +220,7 @@ class KernelSelector:
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=shard.group)
             return slowest.tolist()
 
-        choice = tuning.choose_kernel(key, measure, self.cache, agree)
+        choice = choose_kernel(key, measure, self.cache, agree)
         source = "measured" if choice.source == "measured" else f"from {choice.source}"
         self.logger.info(
             "head.kernel=auto: %s (N %d, D %d, %s classes taking part on this rank, %s "
@@ -229,7 +232,7 @@ class KernelSelector:
 
     def triton_tiles(self, shard: ShardShape, inputs: StatsInputs, fused: FusedSGD | None) -> Any:
         """The kernels' TileConfig for this forward's shapes (timed on a GPU: tile_tuning)."""
-        tile_tuning = importlib.import_module("recognition.heads.kernels.tile_tuning")
+        tile_tuning = importlib.import_module("recognition.heads.tuning.tiles")
         norm_embeddings, row_index = inputs.norm_embeddings, inputs.row_index
         shape = tile_tuning.TuneShape(
             num_rows=norm_embeddings.shape[0],
@@ -241,3 +244,80 @@ class KernelSelector:
             update=fused.kind if fused is not None else "none",
         )
         return tile_tuning.tiles_for(norm_embeddings.device, shape, self.cache)
+
+
+@dataclass
+class KernelChoice:
+    """What `head.kernel=auto` chose, from which seconds per step (inf where a path failed)."""
+
+    kernel: str
+    seconds: dict[str, float]
+    errors: dict[str, str] = field(default_factory=dict)
+    source: str = "measured"  # or the cache file it came from
+
+    def describe(self) -> str:
+        """'triton, 3.10 ms per step against 5.20 ms for torch' and any failure."""
+        other = "torch" if self.kernel == "triton" else "triton"
+        text = (
+            f"{self.kernel}, {_ms(self.seconds[self.kernel])} per step against "
+            f"{_ms(self.seconds[other])} for {other}"
+        )
+        for path, error in self.errors.items():
+            text += f"; the {path} path failed: {error}"
+        return text
+
+
+def _ms(seconds: float) -> str:
+    return "-" if not math.isfinite(seconds) else f"{seconds * 1e3:.2f} ms"
+
+
+def choose_kernel(
+    key: Mapping[str, Any],
+    measure: Callable[[str], float],
+    cache: TuningCache | None,
+    agree: Callable[[list[float]], list[float]] | None = None,
+) -> KernelChoice:
+    """Torch or Triton for the head's local statistics, whichever steps faster.
+
+    `measure(path)` returns seconds per training step of "torch", then of "triton"; an
+    exception makes that path's time infinite (an out-of-memory torch path, a kernel that
+    does not compile), and its first line is kept. The times are read from `cache` under
+    `key` when there, and stored there after a measurement in which both paths ran.
+    `agree` maps this process's times to the ones every rank decides from (the maximum over
+    the ranks: a step ends when the slowest rank is done), so that all ranks choose alike.
+    Triton wins only when strictly faster; with both paths failed the choice is torch, whose
+    own error then surfaces in the run.
+    """
+    entry = cache.get("kernel", key) if cache is not None else None
+    seconds = _cached_seconds(entry)
+    errors: dict[str, str] = {}
+    source = "measured"
+    if seconds is not None:
+        assert cache is not None
+        source = str(cache.path("kernel"))
+    else:
+        seconds = []
+        for path in PATHS:
+            try:
+                seconds.append(float(measure(path)))
+            except Exception as exc:  # any failure rules the path out; the run goes on
+                seconds.append(math.inf)
+                lines = str(exc).strip().splitlines() or [""]
+                errors[path] = f"{type(exc).__name__}: {lines[0]}"
+        if cache is not None and not errors:
+            cache.put("kernel", key, {"seconds": dict(zip(PATHS, seconds, strict=True))})
+    if agree is not None:
+        seconds = agree(seconds)
+    by_path = dict(zip(PATHS, seconds, strict=True))
+    kernel = "triton" if by_path["triton"] < by_path["torch"] else "torch"
+    return KernelChoice(kernel, by_path, errors, source)
+
+
+def _cached_seconds(entry: dict | None) -> list[float] | None:
+    if entry is None:
+        return None
+    try:
+        seconds = [float(entry["seconds"][path]) for path in PATHS]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return seconds if all(s > 0 for s in seconds) else None
