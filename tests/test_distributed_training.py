@@ -43,6 +43,7 @@ from helpers import (
 )
 from torch import nn
 
+import recognition.training.backbone_check as backbone_check
 import recognition.training.build as training_build
 from recognition import checkpoint as ckpt
 from recognition import distributed
@@ -180,6 +181,7 @@ def _rank_main(
 ) -> None:
     init_gloo_rank(rank, world_size, port, timeout_s=60)
     training_build.backbone_from_config = build_tiny_backbone
+    backbone_check.backbone_from_config = build_tiny_backbone  # looked at before the build
     for overrides in jobs:
         if "model.sync_bn=true" in overrides:
             # torch's SyncBatchNorm refuses CPU tensors: the run must say so before training.
@@ -222,6 +224,7 @@ def test_ranks_match_one_process_and_resume_on_other_world_sizes(
     image_folder, tmp_path, monkeypatch
 ):
     monkeypatch.setattr(training_build, "backbone_from_config", build_tiny_backbone)
+    monkeypatch.setattr(backbone_check, "backbone_from_config", build_tiny_backbone)
     ref = run(tiny_overrides(image_folder, tmp_path / "w1", 1))
 
     w2 = tmp_path / "w2"

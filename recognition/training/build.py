@@ -374,11 +374,12 @@ def build_model(
             cfg.head.id_weight, cfg.head.triplet_weight, cfg.head.triplet_margin
         )
         # head.id_weight / head.triplet_weight, and a distilled run's term.
-        step: Callable[..., StepResult] = partial(
-            train_step,
-            training_loss=training_loss,
-            distill=None if distill is None else distill.step_term(),
-        )
+        extra: dict[str, Any] = {}
+        if training_loss is not None:
+            extra["training_loss"] = training_loss
+        if distill is not None:
+            extra["distill"] = distill.step_term()
+        step: Callable[..., StepResult] = partial(train_step, **extra) if extra else train_step
         param_ids = None
     else:
         backbone, head, model, step, param_ids = _build_pipeline(
