@@ -179,12 +179,10 @@ def head_plan(run: SectionRun) -> HeadPlan:
 
 CASE_RESERVE_S = 8.0  # kept back for each head case still to come
 SEARCH_RESERVE_S = 30.0  # and for the search of the largest class count
-HEAD_VARIANTS = (  # most valuable first: the Triton kernel, torch, the fused update, and
-    # the fused backward that the GEMM backward replaced as the default (for the comparison)
-    ("triton", "sharded", False, "gemm"),
-    ("torch", "sharded-chunked", False, "gemm"),
-    ("triton + fused update", "sharded", True, "gemm"),
-    ("triton, fused backward", "sharded", False, "fused"),
+HEAD_VARIANTS = (  # most valuable first: the Triton kernel, torch, the fused update
+    ("triton", "sharded", False),
+    ("torch", "sharded-chunked", False),
+    ("triton + fused update", "sharded", True),
 )
 
 
@@ -195,10 +193,10 @@ def section_head(run: SectionRun) -> None:
     device = "cuda" if run.gpu else "cpu"
     torch_ms: dict[int, float] = {}
     cases = [(c, v) for c in plan.classes for v in HEAD_VARIANTS]
-    for index, (num_classes, (label, method, fused, backward)) in enumerate(cases):
+    for index, (num_classes, (label, method, fused)) in enumerate(cases):
         kernel = "torch" if label == "torch" else "triton"
         case = head.Case(method, 1, num_classes, plan.batch, plan.dim, plan.chunk, plan.steps,
-                         1, 1, device, plan.autocast, kernel, fused, backward)  # fmt: skip
+                         1, 1, device, plan.autocast, kernel, fused)  # fmt: skip
         what = f"{label}, {num_classes:,} classes"
         # What is left, less a share kept for the cases and the search after this one (the
         # first Triton case also times the kernels' tiles: tens of seconds, once).

@@ -3,11 +3,10 @@
     python -m benchmarks.head_kernel_resources                  # D = 128 256 512 1024, sm_90
     python -m benchmarks.head_kernel_resources --dims 512 --matmul-dtypes bfloat16 --json r.json
 
-Every kernel variant that the host wrappers of heads/kernels/ launch (forward; the fused
-backward's embedding gradient with atomics or deterministic and its weight gradient plain or
-with the fused SGD update, with and without momentum, Nesterov and the target rows' share;
-the GEMM backward's gradient of the logits and its row epilogue, plain or fused likewise;
-each with and without the partial-FC row index) is compiled ahead of time for the target GPU by
+Every kernel variant that the host wrappers of heads/kernels/ launch (the forward; the
+backward's gradient of the logits and its row epilogue, plain or with the fused SGD update,
+with and without momentum, Nesterov and the target rows' share, with and without the
+partial-FC row index) is compiled ahead of time for the target GPU by
 Triton's own compiler and the ptxas it ships, at the default tiles (`gpu_tiles`), with the
 arguments the wrappers would pass: the wrappers are run on meta tensors with the kernel
 launches recorded instead of made. For each variant it prints the dynamic shared memory
@@ -31,7 +30,7 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks import table
@@ -53,11 +52,9 @@ class Launch:
     @property
     def name(self) -> str:
         name = self.kernel.__name__.strip("_").removesuffix("_kernel")
-        flags = [k.lower() for k in ("HAS_INDEX", "ATOMIC", "FUSED", "HAS_MOMENTUM", "NESTEROV",
+        flags = [k.lower() for k in ("HAS_INDEX", "FUSED", "HAS_MOMENTUM", "NESTEROV",
                                      "HAS_EXTRA") if self.constexprs.get(k)]  # fmt: skip
-        if "ATOMIC" in self.constexprs and not self.constexprs["ATOMIC"]:
-            flags.append("deterministic")
-        if name == "forward":  # the weight's rows (fused backward) or a rounded chunk's
+        if name == "forward":  # on a chunk's rows, rounded to the matmul dtype
             flags.append(f"{str(self.args[0].dtype).removeprefix('torch.')} rows")
         return " ".join([name, *flags])
 
@@ -99,10 +96,9 @@ class _Recorder:
 @contextlib.contextmanager
 def recorded_launches():
     """Within the block, the head's kernel launches are recorded into the list yielded."""
-    from recognition.heads.kernels import forward, fused_backward, gemm_backward
+    from recognition.heads.kernels import forward, gemm_backward
 
-    names = [(forward, "_forward_kernel"), (fused_backward, "_grad_embeddings_kernel"),
-             (fused_backward, "_grad_weight_kernel"), (gemm_backward, "_grad_logits_kernel"),
+    names = [(forward, "_forward_kernel"), (gemm_backward, "_grad_logits_kernel"),
              (gemm_backward, "_finish_kernel")]  # fmt: skip
     originals = {(module, name): getattr(module, name) for module, name in names}
     launches: list[Launch] = []
@@ -143,26 +139,17 @@ def launches_for(dim: int, weight_dtype, matmul: str, num_rows: int, num_sms: in
 
     updates = [(None, None), (sgd(0.0, False), target_grad), (sgd(0.9, False), target_grad),
                (sgd(0.9, True), target_grad), (sgd(0.9, False), no_target_grad)]  # fmt: skip
-    deterministic = torch.are_deterministic_algorithms_enabled()
     with recorded_launches() as launches:
-        try:
-            for row_index in (None, index):
-                num_taking_part = num_classes if row_index is None else row_index.numel()
-                inv_norm = torch.empty(num_taking_part, **meta)
-                common = (embeddings, weight, row_index, inv_norm, target_pos)
-                for backward, ordering in (("fused", (False, True)), ("gemm", (False,))):
-                    kernels.class_stats(
-                        *common, 64.0, matmul_dtype, replace(tiles, backward=backward)
-                    )
-                    for ordered in ordering:
-                        torch.use_deterministic_algorithms(ordered)
-                        for update, extra in updates:
-                            kernels.class_stats_backward(
-                                *common, row_max, row_max, 64.0, matmul_dtype,
-                                replace(tiles, backward=backward), target_grad=extra, sgd=update,
-                            )  # fmt: skip
-        finally:
-            torch.use_deterministic_algorithms(deterministic)
+        for row_index in (None, index):
+            num_taking_part = num_classes if row_index is None else row_index.numel()
+            inv_norm = torch.empty(num_taking_part, **meta)
+            common = (embeddings, weight, row_index, inv_norm, target_pos)
+            kernels.class_stats(*common, 64.0, matmul_dtype, tiles)
+            for update, extra in updates:
+                kernels.class_stats_backward(
+                    *common, row_max, row_max, 64.0, matmul_dtype, tiles, target_grad=extra,
+                    sgd=update,
+                )  # fmt: skip
     distinct: dict[str, Launch] = {}
     for launch in launches:
         if matmul == "tf32":  # what the wrappers choose on a GPU with TF32 allowed
@@ -280,8 +267,6 @@ def _measure(dims, weight_dtypes, matmul_dtypes, capability, num_rows, num_sms, 
                         f"{'x'.join(str(v) for v in shape if v is not None)} "
                         f"w{launch.num_warps} s{launch.num_stages}"
                     )
-                    if "EPILOGUE_SPLITS" in c:
-                        tiles += f" e{c['EPILOGUE_SPLITS']}"
                     results.append(
                         Resources(
                             dim, DTYPES[weight_name], DTYPES[matmul_name], launch.name, tiles,

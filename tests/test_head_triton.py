@@ -19,7 +19,6 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import dataclasses  # noqa: E402
 import logging  # noqa: E402
 
 import pytest  # noqa: E402
@@ -39,33 +38,28 @@ from test_head import (  # noqa: E402
 from recognition.config import ConfigError, config_from_dict  # noqa: E402
 from recognition.heads import ShardedMarginSoftmax, triton_stats  # noqa: E402
 from recognition.heads import margin_softmax as head_module  # noqa: E402
-from recognition.heads.kernels import forward, fused_backward, gemm_backward  # noqa: E402
-from recognition.heads.kernels import tiles as tiles_module  # noqa: E402
+from recognition.heads.kernels import forward, gemm_backward  # noqa: E402
 from recognition.heads.margins import ArcFace, CosFace  # noqa: E402
 
 EMBEDDING_SIZE = 24  # not a power of two: the kernels pad D to 32
 MARGINS = {case[0]: case for case in MARGIN_CASES}
 
 
-def use_backward(monkeypatch, name: str, tiles=None) -> None:
-    """The heads made after this run backward `name` ("gemm"; "fused"), on `tiles` (a
-    function as default_tiles) or the interpreter's, the forward and the GEMM backward in
-    chunks of one tile of classes, so that every test crosses chunks."""
+def small_chunks(monkeypatch, tiles=None) -> None:
+    """The heads made after this run on `tiles` (a function as default_tiles) or the
+    interpreter's, the forward and the backward in chunks of one tile of classes, so that
+    every test crosses chunks."""
     kernels = triton_stats.triton_kernels()
-    monkeypatch.setattr(tiles_module, "_BACKWARD", [name])
     if tiles is not None:
-        monkeypatch.setattr(
-            kernels, "default_tiles", lambda *args: dataclasses.replace(tiles(*args), backward=name)
-        )
+        monkeypatch.setattr(kernels, "default_tiles", tiles)
     monkeypatch.setattr(gemm_backward, "CHUNK_LOGITS", 1)
     monkeypatch.setattr(forward, "CHUNK_ROW_VALUES", 1)
 
 
-@pytest.fixture(params=["gemm", "fused"])
-def backward(request, monkeypatch) -> str:
-    """Each test that takes it runs with either backward (see use_backward)."""
-    use_backward(monkeypatch, request.param)
-    return request.param
+@pytest.fixture
+def chunked(monkeypatch) -> None:
+    """The tests that take it run in chunks of one tile (see small_chunks)."""
+    small_chunks(monkeypatch)
 
 
 def triton_and_torch_heads(num_classes, margin, **kwargs):
@@ -95,7 +89,7 @@ SHAPE_CASES = [(7, 129, name) for name in MARGINS] + [
 
 @pytest.mark.parametrize(("batch_size", "num_classes", "margin_id"), SHAPE_CASES)
 def test_fp32_matches_float64_reference_and_torch_path(
-    batch_size, num_classes, margin_id, backward
+    batch_size, num_classes, margin_id, chunked
 ):
     _, make_margin, scale, psi = MARGINS[margin_id]
     torch.manual_seed(batch_size * 1000 + num_classes)
@@ -116,20 +110,6 @@ def test_fp32_matches_float64_reference_and_torch_path(
     assert_close_rel(grad_w, torch_grad_w.double(), 1e-5)
 
 
-class RecordedKernel:
-    """Wraps a kernel of the module: records each launch's constexpr ATOMIC, then launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.atomic = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.atomic.append(kwargs["ATOMIC"])
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
-
-
 def free_then_deterministic(runs: int):
     """A CosFace head of 400 classes on 33 rows: (head, embeddings, labels, one step's loss
     and gradients, and `runs` more in deterministic mode)."""
@@ -145,29 +125,8 @@ def free_then_deterministic(runs: int):
     return head, embeddings, labels, free, ordered
 
 
-def test_deterministic_mode_reduces_without_atomics_and_repeats_bitwise(monkeypatch):
-    # The fused backward's embedding gradient: atomics, or a fixed-order sum in deterministic
-    # mode. The interpreter runs programs one after another, so atomics give the same bits
-    # too: which reduction ran is told by the kernel's ATOMIC constexpr, recorded at launch.
-    use_backward(monkeypatch, "fused")
-    recorded = RecordedKernel(fused_backward._grad_embeddings_kernel)
-    monkeypatch.setattr(fused_backward, "_grad_embeddings_kernel", recorded)
-    head, embeddings, labels, atomic, (first, second) = free_then_deterministic(runs=2)
-    assert recorded.atomic == [True, False, False]
-    for a, b in zip(first, second, strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(first, atomic, strict=True):
-        assert_close_rel(a, b.double(), 1e-6)
-    ref_loss, ref_grad_e, _, _ = reference_loss(
-        embeddings, head.weight, labels, 16.0, lambda t: torch.cos(t) - 0.4
-    )
-    assert_close_rel(first[0], ref_loss, 1e-5)
-    assert_close_rel(first[1], ref_grad_e, 1e-5)
-
-
-def test_gemm_backward_repeats_bitwise_in_deterministic_mode(monkeypatch):
+def test_backward_repeats_bitwise_in_deterministic_mode(chunked):
     # No atomics: the chunks are summed in order, with or without deterministic mode.
-    use_backward(monkeypatch, "gemm")
     _, _, _, free, (first,) = free_then_deterministic(runs=1)
     for a, b in zip(first, free, strict=True):
         assert torch.equal(a, b)
@@ -175,17 +134,15 @@ def test_gemm_backward_repeats_bitwise_in_deterministic_mode(monkeypatch):
 
 def gpu_shaped_tiles(*args):
     """Tiles shaped as on a GPU, small enough for EMBEDDING_SIZE: the dimension summed in two
-    BLOCK_D steps (the second partly padding), the fused weight-gradient epilogue in pieces
-    (4 asked for; 2 made, as a piece is at least 16 wide)."""
+    BLOCK_D steps (the second partly padding), several class splits."""
     kernels = triton_stats.triton_kernels()
     tiles = kernels.KernelTiles(block_c=16, block_n=16, block_d=16, num_warps=4, num_stages=2)
-    return kernels.TileConfig(tiles, tiles, tiles, target_programs=6, epilogue_splits=4)
+    return kernels.TileConfig(tiles, target_programs=6)
 
 
-@pytest.mark.parametrize("name", ["gemm", "fused"])
 @pytest.mark.parametrize("sample_rate", [1.0, 0.3])
-def test_gpu_shaped_tiles_match_torch_path_and_fused_update(sample_rate, name, monkeypatch):
-    use_backward(monkeypatch, name, gpu_shaped_tiles)
+def test_gpu_shaped_tiles_match_torch_path_and_fused_update(sample_rate, monkeypatch):
+    small_chunks(monkeypatch, gpu_shaped_tiles)
     torch.manual_seed(13)
     fast, slow = triton_and_torch_heads(129, ArcFace(s=16.0), sample_rate=sample_rate, seed=2)
     embeddings, labels = make_labels_with_duplicates(129, 33, seed=14)
@@ -194,7 +151,7 @@ def test_gpu_shaped_tiles_match_torch_path_and_fused_update(sample_rate, name, m
     assert_close_rel(loss, ref_loss.double(), 1e-6)
     assert_close_rel(grad_e, ref_grad_e.double(), 1e-5)
     assert_close_rel(grad_w, ref_grad_w.double(), 1e-5)
-    # The fused update's epilogue, in pieces: one step against torch.optim.SGD.
+    # The fused update's epilogue: one step against torch.optim.SGD.
     settings = {"lr": 0.5, "momentum": 0.9, "weight_decay": 5e-4, "nesterov": True}
     fast_opt = torch.optim.SGD(fast.parameters(), **settings)
     slow_opt = torch.optim.SGD(slow.parameters(), **settings)
@@ -208,21 +165,19 @@ def test_gpu_shaped_tiles_match_torch_path_and_fused_update(sample_rate, name, m
 def test_tile_config_rejects_what_the_compiler_would_refuse():
     kernels = triton_stats.triton_kernels()
     good = kernels.KernelTiles(block_c=32, block_n=64, block_d=64, num_warps=8, num_stages=2)
-    kernels.TileConfig(good, good, good)
-    with pytest.raises(ValueError, match="use_backward: 'fast' is not one of"):
-        kernels.use_backward("fast")
+    kernels.TileConfig(good)
     bad = [
-        ({"block_c": 48}, "TileConfig.grad_weight.block_c: must be a power of two >= 16"),
-        ({"block_d": 8}, "TileConfig.grad_weight.block_d: must be a power of two >= 16"),
-        ({"num_warps": 3}, "TileConfig.grad_weight.num_warps"),
-        ({"num_stages": 0}, "TileConfig.grad_weight.num_stages"),
+        ({"block_c": 48}, "TileConfig.forward.block_c: must be a power of two >= 16"),
+        ({"block_d": 8}, "TileConfig.forward.block_d: must be a power of two >= 16"),
+        ({"num_warps": 3}, "TileConfig.forward.num_warps"),
+        ({"num_stages": 0}, "TileConfig.forward.num_stages"),
     ]
     for change, message in bad:
         tiles = kernels.KernelTiles(**{**good.__dict__, **change})
         with pytest.raises(ValueError, match=message):
-            kernels.TileConfig(good, good, tiles)
-    with pytest.raises(ValueError, match="TileConfig.epilogue_splits"):
-        kernels.TileConfig(good, good, good, epilogue_splits=3)
+            kernels.TileConfig(tiles)
+    with pytest.raises(ValueError, match="TileConfig.target_programs"):
+        kernels.TileConfig(good, target_programs=-1)
     for dim in (24, 128, 256, 512, 1024, 4096):  # every GPU default passes its own check
         for operands in kernels.OPERAND_KINDS:
             kernels.gpu_tiles(dim, 132, operands).check()
@@ -230,7 +185,7 @@ def test_tile_config_rejects_what_the_compiler_would_refuse():
         kernels.gpu_tiles(512, 132, "fp8")
 
 
-def test_chunk_size_is_accepted_and_changes_nothing(backward):
+def test_chunk_size_is_accepted_and_changes_nothing(chunked):
     # The kernels never keep an (N, C) tensor: chunk_size has nothing left to bound.
     torch.manual_seed(5)
     head = ShardedMarginSoftmax(129, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
@@ -246,7 +201,7 @@ def test_chunk_size_is_accepted_and_changes_nothing(backward):
 
 
 @pytest.mark.parametrize("half_weight", [False, True], ids=["autocast", "bf16_weight"])
-def test_bf16_operands_match_torch_path(half_weight, backward):
+def test_bf16_operands_match_torch_path(half_weight, chunked):
     torch.manual_seed(7)
     fast, slow = triton_and_torch_heads(129, CosFace(s=16.0))
     embeddings, labels = make_labels_with_duplicates(129, 33, seed=8)
@@ -270,7 +225,7 @@ def test_bf16_operands_match_torch_path(half_weight, backward):
     assert abs(loss.item() - exact.item()) < 0.02 * exact.item()
 
 
-def test_partial_fc_matches_restricted_reference_and_torch_path(backward):
+def test_partial_fc_matches_restricted_reference_and_torch_path(chunked):
     torch.manual_seed(9)
     fast, slow = triton_and_torch_heads(300, ArcFace(s=16.0), sample_rate=0.3, seed=4)
     embeddings, labels = make_labels_with_duplicates(300, 7, seed=10)
@@ -297,7 +252,7 @@ def test_partial_fc_matches_restricted_reference_and_torch_path(backward):
     ("sample_rate", "nesterov", "momentum"),
     [(1.0, False, 0.9), (1.0, True, 0.9), (0.3, False, 0.9), (1.0, False, 0.0)],
 )
-def test_fused_update_matches_torch_sgd_over_steps(sample_rate, nesterov, momentum, backward):
+def test_fused_update_matches_torch_sgd_over_steps(sample_rate, nesterov, momentum, chunked):
     torch.manual_seed(11)
     fast, slow = triton_and_torch_heads(150, ArcFace(s=16.0), sample_rate=sample_rate, seed=3)
     settings = {"momentum": momentum, "weight_decay": 5e-4, "nesterov": nesterov}
@@ -520,7 +475,7 @@ def test_one_chunk_of_rounded_rows_at_a_time(monkeypatch):
     # the shard, 9.6 GiB more at 10M classes).
     import weakref
 
-    use_backward(monkeypatch, "gemm")
+    small_chunks(monkeypatch)
     made, most_alive = [], [0]
     original = forward.chunk_rows
 
@@ -540,7 +495,7 @@ def test_one_chunk_of_rounded_rows_at_a_time(monkeypatch):
     assert most_alive[0] <= 1  # the previous chunk, still named by the loop, at most
 
 
-def test_label_smoothing_on_the_triton_path(backward):
+def test_label_smoothing_on_the_triton_path(chunked):
     """Label smoothing's term is the same on either kernel: the Triton head against the
     full-logit F.cross_entropy(label_smoothing=0.1) in float64."""
     from test_reid_losses import smoothed_reference

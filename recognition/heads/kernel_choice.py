@@ -154,7 +154,7 @@ class KernelSelector:
     def _triton_stats(
         self, shard: ShardShape, x: StatsInputs, fused: FusedSGD | None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        tiles = self.triton_tiles(shard, x, fused)
+        tiles = self.triton_tiles(shard, x)
         return TritonClassStats.apply(
             x.norm_embeddings, shard.weight, x.row_index, x.target_row, x.scale,
             x.matmul_dtype, fused, tiles,
@@ -227,7 +227,7 @@ class KernelSelector:
         )  # fmt: skip
         return choice
 
-    def triton_tiles(self, shard: ShardShape, inputs: StatsInputs, fused: FusedSGD | None) -> Any:
+    def triton_tiles(self, shard: ShardShape, inputs: StatsInputs) -> Any:
         """The kernels' TileConfig for this forward's shapes (timed on a GPU: tile_tuning)."""
         tile_tuning = importlib.import_module("recognition.heads.kernels.tile_tuning")
         norm_embeddings, row_index = inputs.norm_embeddings, inputs.row_index
@@ -238,6 +238,5 @@ class KernelSelector:
             weight_dtype=shard.weight.dtype,
             matmul_dtype=inputs.matmul_dtype,
             has_index=row_index is not None,
-            update=fused.kind if fused is not None else "none",
         )
         return tile_tuning.tiles_for(norm_embeddings.device, shape, self.cache)

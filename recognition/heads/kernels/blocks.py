@@ -117,12 +117,6 @@ def _grad_dots(raw, inv_norm, offs_c, c_mask, target, shift, grad_scale, scale):
 
 
 @triton.jit
-def _halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """The top and bottom halves (ROWS // 2, COLS) of x (ROWS, COLS)."""
-    return tl.split(tl.permute(tl.reshape(x, (2, ROWS // 2, COLS)), (1, 2, 0)))
-
-
-@triton.jit
 def _finish_rows(
     acc_t, d_start, coefficient, W, GRAD_W, EXTRA, BUF, rows, c_mask, slot, dim,
     stride_wc, stride_gc, lr, momentum, weight_decay,

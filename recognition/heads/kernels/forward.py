@@ -1,19 +1,17 @@
 """The forward kernel: max and sum-exp of the non-target logits of every row over the
 classes taking part (`class_stats`), and the inverse norms of their rows.
 
-With the GEMM backward (the default), the classes go a chunk at a time (`chunk_classes`: at
-most CHUNK_ROW_VALUES values of rows, 65,536 classes at D = 512): the chunk's rows -
-gathered through the partial-FC index, if any - are rounded to the matmul dtype on the host
-(`chunk_rows`), one pass over them per step. So the kernel reads its operands as the matrix
-units take them: on a Hopper GPU a tile then goes from shared memory straight to an
-asynchronous wgmma, one of them in flight while the next loads, where rows rounded in the
-kernel go through registers (a load, a conversion, a store back to shared memory and a
-fence) and each wgmma is waited for at once (what Triton 3.8 makes of the two for sm_90:
-python -m benchmarks.head_kernel_resources compiles them). Measured on an H200 at 1M classes
-(N 1024, D 512, bf16, tuned tiles): 2.9 ms on rounded chunks (about 370 TFLOP/s) against 4.0
-to 5.2 ms on raw rows (benchmarks/results/head_profile-*-nvidia-h200.md). With the fused
-backward, whose kernels round the raw rows as they recompute the logits, the forward reads
-the raw rows too, all classes in one launch.
+The classes go a chunk at a time (`chunk_classes`: at most CHUNK_ROW_VALUES values of rows,
+65,536 classes at D = 512): the chunk's rows - gathered through the partial-FC index, if
+any - are rounded to the matmul dtype on the host (`chunk_rows`), one pass over them per
+step. So the kernel reads its operands as the matrix units take them: on a Hopper GPU a tile
+then goes from shared memory straight to an asynchronous wgmma, one of them in flight while
+the next loads, where rows rounded in the kernel go through registers (a load, a
+conversion, a store back to shared memory and a fence) and each wgmma is waited for at once
+(what Triton 3.8 makes of the two for sm_90: python -m benchmarks.head_kernel_resources
+compiles them). Measured on an H200 at 1M classes (N 1024, D 512, bf16, tuned tiles): 2.9 ms
+on rounded chunks (about 370 TFLOP/s) against 4.0 to 5.2 ms on raw rows
+(benchmarks/results/head_profile-*-nvidia-h200.md).
 
 Over a chunk: a grid of (row blocks, class splits). Each program walks its split of the
 classes BLOCK_C at a time; for each tile, the logits (BLOCK_N, BLOCK_C) are summed over the
@@ -48,9 +46,9 @@ CHUNK_ROW_VALUES = 1 << 25
 
 @triton.jit
 def _forward_kernel(
-    W, ROW_INDEX, E, INV_NORM, TARGET, PART_MAX, PART_SUM,
+    W, E, INV_NORM, TARGET, PART_MAX, PART_SUM,
     num_classes, num_rows, dim, stride_wc, stride_en, scale, tiles_per_split,
-    HAS_INDEX: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, D_PAD: tl.constexpr, MM_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
@@ -60,8 +58,8 @@ def _forward_kernel(
     row_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for t in range(0, tiles_per_split):
         offs_c, c_mask, rows, inv_norm, raw = _tile_dots(
-            W, ROW_INDEX, E, INV_NORM, (pid_s * tiles_per_split + t) * BLOCK_C, num_classes,
-            offs_n, n_mask, dim, stride_wc, stride_en, HAS_INDEX, BLOCK_C, BLOCK_N, BLOCK_D,
+            W, INV_NORM, E, INV_NORM, (pid_s * tiles_per_split + t) * BLOCK_C, num_classes,
+            offs_n, n_mask, dim, stride_wc, stride_en, False, BLOCK_C, BLOCK_N, BLOCK_D,
             D_PAD, MM_DTYPE, INPUT_PRECISION, UPCAST,
         )  # fmt: skip
         logits = _logits(raw, inv_norm, offs_c, c_mask, target, scale)
@@ -114,34 +112,25 @@ def class_stats(
     mm_embeddings = norm_embeddings.to(matmul_dtype)
     target_pos = target_pos.to(torch.int32)
     row_blocks = triton.cdiv(num_rows, tiles.forward.block_n)
-    if tiles.backward == "fused":
-        # All classes at once, the raw rows rounded in the kernel, as that backward's kernels
-        # round them when they recompute the logits (the same function on a GPU, where both
-        # round to nearest; the interpreter truncates in the kernel).
-        pieces = [(0, num_classes, weight, row_index)]
-    else:
-        chunk = host.chunk_classes(
-            num_classes, tiles.forward.block_c, CHUNK_ROW_VALUES // max(dim, 1)
-        )
-        # A generator: one chunk's rounded rows at a time (a list held every chunk at once, a
-        # bf16 copy of the whole shard: 9.6 GiB more at 10M classes, measured on an H200).
-        pieces = (
-            (first, end, chunk_rows(weight, row_index, first, end, matmul_dtype), None)
-            for first in range(0, num_classes, chunk)
-            for end in [min(first + chunk, num_classes)]
-        )
+    chunk = host.chunk_classes(num_classes, tiles.forward.block_c, CHUNK_ROW_VALUES // max(dim, 1))
+    # A generator: one chunk's rounded rows at a time (a list held every chunk at once, a
+    # bf16 copy of the whole shard: 9.6 GiB more at 10M classes, measured on an H200).
+    pieces = (
+        (first, end, chunk_rows(weight, row_index, first, end, matmul_dtype))
+        for first in range(0, num_classes, chunk)
+        for end in [min(first + chunk, num_classes)]
+    )
     parts = []
-    for first, end, rows, index in pieces:  # rows (K_c, D), or the weight through its index
+    for first, end, rows in pieces:  # rows (K_c, D)
         num_tiles = triton.cdiv(end - first, tiles.forward.block_c)
         num_splits, per_split = splits(num_tiles, row_blocks, tiles.target_programs)
         part_max = norm_embeddings.new_empty((num_splits, num_rows), dtype=torch.float32)
         part_sum = torch.empty_like(part_max)
         # Positions within the piece: a target elsewhere matches none of its classes.
         _forward_kernel[(row_blocks, num_splits)](
-            rows, index if index is not None else inv_norm, mm_embeddings, inv_norm[first:end],
-            target_pos - first, part_max, part_sum, end - first, num_rows, dim, rows.stride(0),
-            mm_embeddings.stride(0), float(scale), per_split, HAS_INDEX=index is not None,
-            **settings,
+            rows, mm_embeddings, inv_norm[first:end], target_pos - first, part_max, part_sum,
+            end - first, num_rows, dim, rows.stride(0), mm_embeddings.stride(0), float(scale),
+            per_split, **settings,
         )  # fmt: skip
         parts.append((part_max, part_sum))
     if not parts:  # no class takes part: as for a row whose classes are all masked

@@ -1,5 +1,5 @@
-"""The default backward (`TileConfig.backward = "gemm"`): the gradient of the logits is
-written a chunk of classes at a time, and cuBLAS takes the two gradient products.
+"""The backward: the gradient of the logits is written a chunk of classes at a time, and
+cuBLAS takes the two gradient products.
 
 For each chunk of K_c taking-part classes (`host.chunk_classes`: at most 2^26 logits,
 128 MiB of bf16 at N = 1024, and the forward's bound on the rows), whose rows are rounded
@@ -9,29 +9,30 @@ to the matmul dtype once (`host.chunk_rows`, as the forward rounds them):
    program recomputes its tile's raw dot products <e_i, w_j> (the forward's K-loop, the
    same fp32 accumulation of matmul-dtype operands), and writes d loss / d <e_i, w_j> =
    exp(logit - max) g_i s / |w_j| (0 at the row's target and padding) in the matmul dtype:
-   G, (N, K_c). The fused backward rounds the same values to the same dtype before its
-   products, so the two compute the same function.
+   G, (N, K_c).
 2. grad_e += G @ W_c and U = G^T @ E: two matmuls of the matmul dtype accumulated and
    returned in fp32 (`torch.mm(..., out_dtype=torch.float32)` on a GPU), W_c the chunk's
    rounded rows and E the normalised embeddings rounded likewise.
 3. `_finish_kernel`, grid (row blocks of the chunk,): U holds g / |w| of each row; the
    radial part is removed (<w, U> from the row and U themselves), the target rows' share
    added for a fused update, and the result stored as the weight's gradient or applied as
-   the SGD step (`blocks._finish_rows`, the fused weight-gradient kernel's own epilogue).
+   the SGD step (`blocks._finish_rows`).
 
 A step then costs 4 N C_local D matmul FLOPs (forward, the recomputation in 1., and the two
-products) where the fused backward's costs 5, and each of them runs at a matmul's full tile
-size rather than the narrow tiles the fused kernels' full-width accumulators leave. What it
+products), each at a matmul's full tile size. What it
 adds is memory traffic, per chunk: G written once and read twice, the chunk's rows rounded
 once, U written and read once - about 1.4 GB per 65,536 classes at N 1024, D 512, a few
 tenths of a millisecond on an H100 - and memory: G, U and the rounded rows of one chunk
 (128 + 128 + 64 MiB there).
 
 Measured on an H200 at 1M classes (N 1024, D 512, bf16; benchmarks/results/
-head_profile-backwards-nvidia-h200.md): a step of 20.2 ms against the fused backward's 53.0
-ms in the same run (20.0 against 50.7 with the fused update), the backward's parts 3.1 ms
-for the gradient-of-logits kernel, 4.7 ms for cuBLAS's products, 2.9 ms for the epilogue
-with the update. At 10M classes with the fused update, 146 ms against 482 ms.
+head_profile-backwards-nvidia-h200.md): a step of 20.2 ms (20.0 with the fused update), the
+backward's parts 3.1 ms for the gradient-of-logits kernel, 4.7 ms for cuBLAS's products,
+2.9 ms for the epilogue with the update; at 10M classes with the fused update, 146 ms. The
+two-kernel fused backward it replaced, which recomputed every tile and never wrote an N x C
+tensor, took 53.0 ms (50.7 with the update) and 482 ms in the same runs: its full-width
+fp32 accumulators (D = 512) left 32x64 tiles at 255 registers, about 105 TFLOP/s, for 5
+N C_local D FLOPs. It was removed.
 
 The chunks run in order, each one's rows updated (fused update) only after its own
 products, so that every product reads the rows as they were at the forward. Without
@@ -121,7 +122,7 @@ def _finish_kernel(
     )
     offs_d = tl.arange(0, D_PAD)
     mask = c_mask[None, :] & (offs_d < dim)[:, None]
-    # Transposed, (D_PAD, BLOCK_C), as _finish_rows takes the fused kernel's accumulator.
+    # Transposed, (D_PAD, BLOCK_C): the class rows' gradient tile as _finish_rows takes it.
     u_t = tl.load(U + (offs_c - first)[None, :] * dim + offs_d[:, None], mask=mask, other=0.0)
     w_t = tl.load(W + rows[None, :] * stride_wc + offs_d[:, None], mask=mask, other=0.0)
     dots = tl.sum(u_t * w_t.to(tl.float32), axis=0)  # <w, U>

@@ -10,14 +10,11 @@ margin and the collectives stay in margin_softmax.py.
 
 One module per pass, over two shared ones:
 
-    tiles.py           KernelTiles, TileConfig (and which backward), the tables, SGDUpdate
+    tiles.py           KernelTiles, TileConfig, the tables, SGDUpdate
     host.py            launch settings, splits, chunks of rounded rows, BackwardInputs
     blocks.py          device code the kernels share: the K-loop, logits, the rows' epilogue
     forward.py         class_stats: max and sum-exp per row; inverse_norms
-    gemm_backward.py   the default backward: the logits' gradient by chunks, cuBLAS products
-    fused_backward.py  the two-kernel backward that recomputes every tile
-
-`class_stats_backward` runs the backward its TileConfig names.
+    gemm_backward.py   the backward: the logits' gradient by chunks, cuBLAS products
 
 Import this module only when the kernels are needed: `triton.jit` reads TRITON_INTERPRET at
 import time.
@@ -30,11 +27,10 @@ import math
 import torch
 from torch import Tensor
 
-from recognition.heads.kernels import fused_backward, gemm_backward
+from recognition.heads.kernels import gemm_backward
 from recognition.heads.kernels.forward import class_stats, inverse_norms
 from recognition.heads.kernels.host import BackwardInputs
 from recognition.heads.kernels.tiles import (
-    BACKWARDS,
     INTERPRET,
     INTERPRETER_TILES,
     OPERAND_KINDS,
@@ -45,13 +41,12 @@ from recognition.heads.kernels.tiles import (
     gpu_tiles,
     input_precision,
     padded_dim,
-    use_backward,
 )
 
 __all__ = [
-    "BACKWARDS", "INTERPRET", "INTERPRETER_TILES", "OPERAND_KINDS", "KernelTiles", "SGDUpdate",
-    "TileConfig", "class_stats", "class_stats_backward", "default_tiles", "gpu_tiles",
-    "input_precision", "inverse_norms", "padded_dim", "use_backward",
+    "INTERPRET", "INTERPRETER_TILES", "OPERAND_KINDS", "KernelTiles", "SGDUpdate", "TileConfig",
+    "class_stats", "class_stats_backward", "default_tiles", "gpu_tiles", "input_precision",
+    "inverse_norms", "padded_dim",
 ]  # fmt: skip
 
 
@@ -72,8 +67,7 @@ def class_stats_backward(
     sgd: SGDUpdate | None = None,
     norm_limit: float = math.inf,
 ) -> tuple[Tensor, Tensor | None]:
-    """Gradients of sum(grad_sumexp * sum-exp) from `class_stats`'s inputs, by the backward
-    `tiles.backward` names (gemm_backward.py or fused_backward.py).
+    """Gradients of sum(grad_sumexp * sum-exp) from `class_stats`'s inputs (gemm_backward.py).
 
     Returns (d / d norm_embeddings (N, D) fp32, d / d weight (C_local, D) in the weight's
     dtype, zero outside the taking-part rows, or None when `want_weight` is False or `sgd`
@@ -86,5 +80,4 @@ def class_stats_backward(
         norm_embeddings, weight, row_index, inv_norm, target_pos, row_max, grad_sumexp, scale,
         matmul_dtype, want_weight, target_grad, sgd, norm_limit,
     )  # fmt: skip
-    module = gemm_backward if tiles.backward == "gemm" else fused_backward
-    return module.backward(inputs, tiles)
+    return gemm_backward.backward(inputs, tiles)
