@@ -29,9 +29,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # gathered) beforehand, so they have one variant each.
 UPDATES = ["", " fused has_extra", " fused has_momentum", " fused has_momentum has_extra",
            " fused has_momentum nesterov has_extra"]  # fmt: skip
-VARIANTS = [
-    f"finish{index}{update}" for index in ("", " has_index") for update in UPDATES
-] + ["grad_logits", "forward bfloat16 rows"]
+VARIANTS = [f"finish{index}{update}" for index in ("", " has_index") for update in UPDATES] + [
+    "grad_logits",
+    "forward bfloat16 rows",
+]
 
 
 def test_default_tiles_compile_for_h100_within_its_limits(tmp_path):

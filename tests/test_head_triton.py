@@ -88,9 +88,7 @@ SHAPE_CASES = [(7, 129, name) for name in MARGINS] + [
 
 
 @pytest.mark.parametrize(("batch_size", "num_classes", "margin_id"), SHAPE_CASES)
-def test_fp32_matches_float64_reference_and_torch_path(
-    batch_size, num_classes, margin_id, chunked
-):
+def test_fp32_matches_float64_reference_and_torch_path(batch_size, num_classes, margin_id, chunked):
     _, make_margin, scale, psi = MARGINS[margin_id]
     torch.manual_seed(batch_size * 1000 + num_classes)
     fast, slow = triton_and_torch_heads(num_classes, make_margin())
@@ -300,13 +298,36 @@ def test_fused_update_matches_torch_sgd_over_steps(sample_rate, nesterov, moment
     }
 
 
-def test_train_step_checks_the_loss_before_a_fused_update_steps_the_rows():
-    """The fused update steps the class rows inside backward, where the device-side mask of
-    a skipped step cannot reach: train_step reads the loss on the host first (the one sync
-    this mode keeps) and runs no backward for a NaN loss, so no row and no weight moves."""
+class PausedKernel:
+    """A kernel launched with `watcher` paused: the interpreter reads its arguments on the
+    host (copies into numpy), which a GPU launch does not."""
+
+    def __init__(self, kernel, watcher):
+        self.kernel, self.watcher = kernel, watcher
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            with self.watcher.watch(False):
+                return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_a_fused_update_step_syncs_nothing_and_a_nan_loss_moves_nothing(monkeypatch):
+    """train_step with the fused update, watched by test_host_sync's SyncWatcher (every value
+    read on the host, every op of a data-dependent size; the kernel launches themselves
+    apart): the target rows' share is summed per row on the device (a scatter, not
+    torch.unique), and the loss's finiteness gates the update on the device, so a NaN loss
+    still runs backward and no row, momentum or weight moves."""
+    from test_host_sync import SyncWatcher, assert_no_syncs
+
     from recognition.precision import Precision
     from recognition.training import train_step
 
+    watcher = SyncWatcher()
+    for module in (forward, gemm_backward):
+        for name in [n for n in dir(module) if n.endswith("_kernel")]:
+            monkeypatch.setattr(module, name, PausedKernel(getattr(module, name), watcher))
     torch.manual_seed(5)
     backbone = torch.nn.Linear(8, EMBEDDING_SIZE)
     head = ShardedMarginSoftmax(40, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
@@ -316,17 +337,29 @@ def test_train_step_checks_the_loss_before_a_fused_update_steps_the_rows():
     optimizer = torch.optim.SGD(params, lr=0.5, momentum=0.9, fused=True)
     head.attach_fused_update(optimizer)
     assert head.updates_in_backward
-    images, labels = torch.randn(6, 8), torch.randint(0, 40, (6,))
+    images = torch.randn(6, 8)
+    labels = torch.tensor([3, 3, 7, 11, 3, 39])  # a class three times: one summed share
+    train_step(backbone, head, [(images, labels)], optimizer, precision, None)  # the state
     before = [p.detach().clone() for p in params]
-    result = train_step(
-        backbone, head, [(images * float("nan"), labels)], optimizer, precision, None
-    )
-    assert not result.finite and not result.stepped
-    for old, new in zip(before, params, strict=True):
-        assert torch.equal(old, new)
-    result = train_step(backbone, head, [(images, labels)], optimizer, precision, None)
-    assert result.finite and result.stepped
-    assert not torch.equal(before[-1], head.weight) and torch.isfinite(head.weight).all()
+    momentum = optimizer.state[head.weight]["momentum_buffer"].clone()
+    with watcher.installed(), watcher.watch(True):
+        nan = train_step(
+            backbone, head, [(images * float("nan"), labels)], optimizer, precision, None
+        )
+        result = train_step(backbone, head, [(images, labels)], optimizer, precision, None)
+    assert_no_syncs(watcher)
+    assert not nan.finite and not nan.stepped and result.finite and result.stepped
+    for old, new in zip(before[:-1], params[:-1], strict=True):  # the backbone stepped once
+        assert not torch.equal(old, new)
+    # The rows moved once, by the finite step: as torch.optim.SGD moves them from `before`.
+    reference = ShardedMarginSoftmax(40, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="torch")
+    with torch.no_grad():
+        reference.weight.copy_(before[-1])
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    reference_optimizer.state[reference.weight]["momentum_buffer"] = momentum
+    reference(torch.nn.functional.linear(images, *before[:-1]), labels).backward()
+    reference_optimizer.step()
+    assert_moved_alike(head, reference, before[-1])
 
 
 def test_fused_update_refuses_what_it_cannot_honour():

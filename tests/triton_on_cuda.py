@@ -15,11 +15,11 @@ D = 512):
 - partial FC: against the torch path with the same sample;
 - the fused SGD update over 3 steps against torch.optim.SGD (momentum, Nesterov, decay);
 - the deterministic reduction: two backwards equal bit for bit;
-- CUDA only: steady-state steps of a triton head make no host synchronisation
-  (`torch.cuda.set_sync_debug_mode("error")`); head.kernel=auto measures both paths,
-  logs its choice, caches it, and a second head reads the cache; the tiles are timed at a
-  shape large enough to be tuned (two candidates, to keep the compile time short) and the
-  tuned kernels match the torch path.
+- CUDA only: steady-state steps of a triton head, plain and with the fused update, make no
+  host synchronisation (`torch.cuda.set_sync_debug_mode("error")`); head.kernel=auto
+  measures both paths, logs its choice, caches it, and a second head reads the cache; the
+  tiles are timed at a shape large enough to be tuned (two candidates, to keep the compile
+  time short) and the tuned kernels match the torch path.
 
 With --device cpu (under TRITON_INTERPRET=1) the sizes shrink and the CUDA-only checks are
 left out: how the script itself is checked without a GPU.
@@ -150,26 +150,33 @@ def check_deterministic(sizes: Sizes, device: torch.device) -> str:
 
 
 def check_no_host_sync(sizes: Sizes, device: torch.device) -> str:
-    fast, _ = heads(sizes, device)
-    optimizer = torch.optim.SGD(fast.parameters(), lr=0.1, momentum=0.9, fused=True)
-    embeddings, labels = batch(sizes, device, seed=6)
+    said = []
+    for fused_update in (False, True):
+        fast, _ = heads(sizes, device)
+        optimizer = torch.optim.SGD(fast.parameters(), lr=0.1, momentum=0.9, fused=True)
+        if fused_update:  # the target rows' share summed on the device, the gate read there
+            fast.attach_fused_update(optimizer)
+        embeddings, labels = batch(sizes, device, seed=6)
 
-    def train_step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            fast(embeddings, labels).backward()
-        optimizer.step()
+        def train_step(fast=fast, optimizer=optimizer, embeddings=embeddings, labels=labels):
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = fast(embeddings, labels)
+            fast.gate_update(torch.isfinite(loss))
+            loss.backward()
+            optimizer.step()
 
-    for _ in range(2):  # compiles, makes the optimizer's state
-        train_step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
+        for _ in range(2):  # compiles, makes the optimizer's state
             train_step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return "steady-state triton steps make no host synchronisation"
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                train_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        said.append("with the fused update" if fused_update else "plain")
+    return f"steady-state triton steps make no host synchronisation ({', '.join(said)})"
 
 
 class Lines(logging.Handler):

@@ -41,6 +41,14 @@ class FusedSGD:
         self.optimizer = optimizer
         self.param = param
         self.group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+        # The next update's gate (`gate`), read once.
+        self.step_ok: Tensor | None = None
+
+    def gate(self, step_ok: Tensor) -> None:
+        """Make the next update store nothing where `step_ok` (a 0-dim bool tensor on the
+        device) is False: the rows and their momentum stay as they were, and nothing is
+        read on the host."""
+        self.step_ok = step_ok
 
     @property
     def kind(self) -> str:
@@ -60,12 +68,14 @@ class FusedSGD:
                 state["momentum_buffer"] = buffer
             if buffer.dtype != torch.float32 or not buffer.is_contiguous():
                 raise ValueError("head.fused_update: the momentum buffer must be dense float32")
+        step_ok, self.step_ok = self.step_ok, None
         return kernels.SGDUpdate(
             lr=float(group["lr"]),
             momentum=float(group["momentum"]),
             weight_decay=float(group["weight_decay"]),
             nesterov=bool(group["nesterov"]),
             momentum_buffer=buffer,
+            step_ok=step_ok,
         )
 
 
@@ -146,21 +156,16 @@ class TritonClassStats(ClassStatsFunction):
          row_max) = ctx.saved_tensors  # fmt: skip
         fused: FusedSGD | None = ctx.fused
         want_weight = ctx.needs_input_grad[1] or fused is not None
-        owned = target_row >= 0
         # The target cosine's share, as LocalClassStats computes it; before the kernels,
-        # since a fused update overwrites the weight.
+        # since a fused update overwrites the weight. With a fused update the kernel's
+        # epilogue adds it to each target row (summed on the device: no host sync).
         grad_target, target_grad_rows = target_share(
             grad_target_cos, norm_embeddings, weight, target_row, want_weight
         )
-        target_grad = None
-        if fused is not None:  # one summed gradient per distinct target row
-            rows, inverse = torch.unique(target_row[owned], return_inverse=True)
-            summed = target_grad_rows.new_zeros((rows.numel(), weight.shape[1]))
-            target_grad = (rows, summed.index_add_(0, inverse, target_grad_rows[owned]))
         grad_embeddings, grad_weight = kernels.class_stats_backward(
             norm_embeddings, weight, row_index, inv_norm, target_pos, row_max, grad_sumexp,
             ctx.scale, ctx.matmul_dtype, ctx.tiles, want_weight=want_weight,
-            target_grad=target_grad,
+            target_grad=target_grad_rows if fused is not None else None,
             sgd=fused.update(kernels) if fused is not None else None,
             norm_limit=1.0 / norm_eps(weight.dtype),
         )  # fmt: skip

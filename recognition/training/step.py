@@ -8,9 +8,9 @@ The step launches no host synchronisation: it reads no tensor value on the host 
 branches on none. A non-finite loss or gradient norm is handled on the device (the
 optimizer's update is masked, see `recognition.precision`), and the `StepResult` holds
 device tensors that the log window reads at its interval. What still synchronises, and why:
-partial FC (`head.sample_rate` < 1: the sampled classes' count is data-dependent), and
-`head.fused_update` (the head's rows are stepped inside backward, so the loss is checked on
-the host first).
+partial FC (`head.sample_rate` < 1: the sampled classes' count is data-dependent).
+`head.fused_update` steps the head's rows inside backward: the loss's finiteness gates that
+update on the device (`gate_update`).
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def train_step(
     # DDP wrapper inside (torch.compile's OptimizedModule).
     syncing = getattr(backbone, "wrapped", backbone)
     is_ddp = isinstance(getattr(syncing, "_orig_mod", syncing), DistributedDataParallel)
-    # head.fused_update steps the class rows inside backward, where no mask can reach: the
-    # loss must be known finite on the host before (one sync per step, that mode only).
-    checks_loss_on_host = getattr(head, "updates_in_backward", False)
+    # head.fused_update steps the class rows inside backward, where the optimizer's mask
+    # cannot reach: the loss's finiteness gates that update on the device.
+    gates_head_update = getattr(head, "updates_in_backward", False)
     precision.zero_grad(optimizer)
     losses, accuracies = [], []
     for index, (images, labels) in enumerate(micro_batches):
@@ -86,9 +86,9 @@ def train_step(
                 loss = head(embeddings, labels)  # (B, D) in: the same scalar on every rank
                 if training_loss is not None:
                     loss = training_loss(loss, features, labels)
-            skip_backward = checks_loss_on_host and not bool(torch.isfinite(loss))
-            if not skip_backward:
-                precision.backward(loss / num_micro)
+            if gates_head_update:
+                head.gate_update(torch.isfinite(loss))
+            precision.backward(loss / num_micro)
         # Kept in the loss's own dtype (float32, or float64 in a float64 run).
         losses.append(loss.detach())
         if getattr(head, "last_accuracy", None) is not None:

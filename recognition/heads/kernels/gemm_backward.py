@@ -111,11 +111,11 @@ def _grad_logits_kernel(
 
 @triton.jit
 def _finish_kernel(
-    U, W, ROW_INDEX, INV_NORM, GRAD_W, EXTRA, EXTRA_SLOT, BUF,
+    U, W, ROW_INDEX, INV_NORM, GRAD_W, EXTRA, EXTRA_SLOT, BUF, GATE,
     first, end, dim, stride_wc, stride_gc, norm_limit, lr, momentum, weight_decay,
     HAS_INDEX: tl.constexpr, FUSED: tl.constexpr, HAS_EXTRA: tl.constexpr,
-    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, BLOCK_C: tl.constexpr,
-    D_PAD: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_GATE: tl.constexpr,
+    BLOCK_C: tl.constexpr, D_PAD: tl.constexpr,
 ):  # fmt: skip
     offs_c, c_mask, rows, inv_norm = _class_block(
         ROW_INDEX, INV_NORM, first + tl.program_id(0) * BLOCK_C, end, HAS_INDEX, BLOCK_C
@@ -132,8 +132,9 @@ def _finish_kernel(
     if HAS_EXTRA:
         slot = tl.load(EXTRA_SLOT + offs_c, mask=c_mask, other=-1)
     _finish_rows(
-        u_t, 0, coefficient, W, GRAD_W, EXTRA, BUF, rows, c_mask, slot, dim, stride_wc,
-        stride_gc, lr, momentum, weight_decay, FUSED, HAS_EXTRA, HAS_MOMENTUM, NESTEROV, D_PAD,
+        u_t, coefficient, W, GRAD_W, EXTRA, BUF, GATE, rows, c_mask, slot, dim, stride_wc,
+        stride_gc, lr, momentum, weight_decay, FUSED, HAS_EXTRA, HAS_MOMENTUM, NESTEROV,
+        HAS_GATE, D_PAD,
     )  # fmt: skip
 
 

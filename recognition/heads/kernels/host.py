@@ -80,7 +80,7 @@ class BackwardInputs:
     scale: float
     matmul_dtype: torch.dtype
     want_weight: bool = True
-    target_grad: tuple[Tensor, Tensor] | None = None
+    target_grad: Tensor | None = None
     sgd: SGDUpdate | None = None
     norm_limit: float = math.inf
 
@@ -98,6 +98,9 @@ class BackwardInputs:
         buffer = self.sgd.momentum_buffer if self.sgd is not None else None
         self.buffer_arg = buffer if buffer is not None else self.inv_norm
         self.extra, self.extra_slot = self._target_share()
+        step_ok = self.sgd.step_ok if self.sgd is not None else None
+        # int32 on the device: the kernel reads it (no host sync).
+        self.gate = step_ok.to(torch.int32).reshape(1) if step_ok is not None else None
 
     @property
     def want_rows(self) -> bool:
@@ -114,24 +117,31 @@ class BackwardInputs:
         return torch.zeros_like(self.weight)
 
     def _target_share(self) -> tuple[Tensor | None, Tensor | None]:
-        """For a fused update: the target rows' gradient (U, D) fp32 and, per taking-part
-        position, its slot there or -1 (the epilogues add it before the step); else None."""
-        target_grad = self.target_grad
-        if self.sgd is None or target_grad is None or target_grad[0].numel() == 0:
+        """For a fused update: the target rows' gradient summed per target row, (N, D) fp32,
+        each sum in the slot of one of the batch's rows that have it as their target, and per
+        taking-part position that slot, or -1 (the epilogue adds it before the step); else
+        None. Static shapes on the device (a scatter, not torch.unique): no host sync."""
+        if self.sgd is None or self.target_grad is None:
             return None, None
-        rows, extra = target_grad
-        positions = rows if self.row_index is None else torch.searchsorted(self.row_index, rows)
-        slot = torch.full((self.num_classes,), -1, dtype=torch.int32, device=self.weight.device)
-        slot[positions] = torch.arange(rows.numel(), dtype=torch.int32, device=rows.device)
-        return extra.float().contiguous(), slot
+        device = self.weight.device
+        owned = self.target_pos >= 0
+        # Rows whose label another rank owns share a spare position past the classes (their
+        # gradient is zero).
+        where = torch.where(owned, self.target_pos.long(), self.num_classes)  # (N,)
+        batch_rows = torch.arange(self.num_rows, dtype=torch.int32, device=device)
+        slot = torch.full((self.num_classes + 1,), -1, dtype=torch.int32, device=device)
+        slot.scatter_reduce_(0, where, batch_rows, "amax")  # the last row with that target
+        extra = torch.zeros_like(self.target_grad, dtype=torch.float32)
+        extra.index_add_(0, slot[where], self.target_grad.float())
+        return extra, slot[: self.num_classes]
 
     def update_args(self, grad_w: Tensor | None) -> tuple:
-        """The epilogue's arguments, in both kernels' order: the gradient to write (or the
-        weight), the target share and its slots, the momentum buffer (placeholders where
-        unread)."""
+        """The epilogue's arguments: the gradient to write (or the weight), the target share
+        and its slots, the momentum buffer, the gate (placeholders where unread)."""
         extra = self.extra if self.extra is not None else self.inv_norm
         slot = self.extra_slot if self.extra_slot is not None else self.target_pos
-        return (grad_w if grad_w is not None else self.weight, extra, slot, self.buffer_arg)
+        gate = self.gate if self.gate is not None else self.target_pos
+        return (grad_w if grad_w is not None else self.weight, extra, slot, self.buffer_arg, gate)
 
     def update_scalars(self) -> tuple[float, float, float]:
         """lr, momentum, weight decay of the fused update (zeros without one)."""
@@ -149,4 +159,5 @@ class BackwardInputs:
             "HAS_EXTRA": self.extra is not None,
             "HAS_MOMENTUM": sgd is not None and sgd.momentum_buffer is not None,
             "NESTEROV": bool(sgd and sgd.nesterov),
+            "HAS_GATE": self.gate is not None,
         }

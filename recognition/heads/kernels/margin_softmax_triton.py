@@ -63,7 +63,7 @@ def class_stats_backward(
     tiles: TileConfig,
     *,
     want_weight: bool = True,
-    target_grad: tuple[Tensor, Tensor] | None = None,
+    target_grad: Tensor | None = None,
     sgd: SGDUpdate | None = None,
     norm_limit: float = math.inf,
 ) -> tuple[Tensor, Tensor | None]:
@@ -71,9 +71,10 @@ def class_stats_backward(
 
     Returns (d / d norm_embeddings (N, D) fp32, d / d weight (C_local, D) in the weight's
     dtype, zero outside the taking-part rows, or None when `want_weight` is False or `sgd`
-    is given). With `sgd`, each row's gradient - plus the target rows' share
-    `target_grad` = (distinct weight rows (U,), their gradient (U, D) fp32) - is applied to
-    `weight` in place as that SGD step, and no gradient is returned for the weight.
+    is given). With `sgd`, each row's gradient - plus the target rows' share `target_grad`,
+    (N, D) fp32: row i's share of its target row's gradient, 0 where `target_pos` is -1 - is
+    applied to `weight` in place as that SGD step, and no gradient is returned for the
+    weight.
     `norm_limit` = 1 / eps: rows whose inverse norm reaches it keep their radial part.
     """
     inputs = BackwardInputs(

@@ -106,7 +106,9 @@ class SGDUpdate:
     """The SGD step that the backward applies to the taking-part rows (fused update).
 
     lr, momentum, weight_decay and nesterov as torch.optim.SGD takes them (dampening 0);
-    `momentum_buffer` (C_local, D) float32 is updated in place (None when momentum is 0).
+    `momentum_buffer` (C_local, D) float32 is updated in place (None when momentum is 0);
+    `step_ok`, a 0-dim bool tensor on the device or None: where it is False, nothing is
+    stored (the rows and their momentum stay as they were).
     """
 
     lr: float
@@ -114,6 +116,7 @@ class SGDUpdate:
     weight_decay: float
     nesterov: bool
     momentum_buffer: Tensor | None
+    step_ok: Tensor | None = None
 
 
 # The interpreter pays per program and per operation, not per element: large tiles, the
