@@ -25,14 +25,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Every launch the wrappers make: the backward's row epilogue with and without the
 # partial-FC row index, plain or with the fused update (momentum, Nesterov, the target rows'
-# share); the forward and the gradient of the logits read each chunk's rows, rounded (and
-# gathered) beforehand, so they have one variant each.
-UPDATES = ["", " fused has_extra", " fused has_momentum", " fused has_momentum has_extra",
-           " fused has_momentum nesterov has_extra"]  # fmt: skip
-VARIANTS = [f"finish{index}{update}" for index in ("", " has_index") for update in UPDATES] + [
-    "grad_logits",
-    "forward bfloat16 rows",
-]
+# share, the training step's gate, the rows' inverse norms and rounded copy kept current);
+# the forward, keeping its logits or not, and the gradient of the logits, recomputed or from
+# the kept ones, read each chunk's rows rounded (and gathered) beforehand: one variant each.
+UPDATES = ["", " fused has_extra has_gate keep_norms",
+           " fused has_momentum has_extra has_gate keep_norms keep_rows",
+           " fused has_momentum nesterov has_extra has_gate keep_norms keep_rows",
+           " fused has_momentum has_extra keep_norms"]  # fmt: skip
+VARIANTS = [f"finish{index}{update}" for index in ("", " has_index") for update in UPDATES]
+VARIANTS += ["forward bfloat16 rows", "grad_logits", "forward keep bfloat16 rows", "scale_kept"]
 
 
 def test_default_tiles_compile_for_h100_within_its_limits(tmp_path):

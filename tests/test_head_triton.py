@@ -78,20 +78,25 @@ def make_labels_with_duplicates(num_classes, batch_size, seed):
 
 
 # Shapes that are not multiples of the tiles (N = 1, 7, 33; C = 1, 129, 1000), every margin at
-# one shape, two margins at the others (the interpreter is slow).
-SHAPE_CASES = [(7, 129, name) for name in MARGINS] + [
-    (1, 1, "arcface"),
-    (33, 1000, "arcface"),
-    (33, 1000, "sphereface"),
-    (1, 129, "cosface"),
+# one shape, two margins at the others (the interpreter is slow); the logits kept for the
+# backward (chunk size None) and, at three shapes, recomputed (a chunk size).
+SHAPE_CASES = [(7, 129, name, None) for name in MARGINS] + [
+    (1, 1, "arcface", None),
+    (33, 1000, "arcface", None),
+    (33, 1000, "sphereface", 256),
+    (1, 129, "cosface", None),
+    (1, 1, "arcface", 7),
+    (7, 129, "combined", 7),
 ]
 
 
-@pytest.mark.parametrize(("batch_size", "num_classes", "margin_id"), SHAPE_CASES)
-def test_fp32_matches_float64_reference_and_torch_path(batch_size, num_classes, margin_id, chunked):
+@pytest.mark.parametrize(("batch_size", "num_classes", "margin_id", "chunk_size"), SHAPE_CASES)
+def test_fp32_matches_float64_reference_and_torch_path(
+    batch_size, num_classes, margin_id, chunk_size, chunked
+):
     _, make_margin, scale, psi = MARGINS[margin_id]
     torch.manual_seed(batch_size * 1000 + num_classes)
-    fast, slow = triton_and_torch_heads(num_classes, make_margin())
+    fast, slow = triton_and_torch_heads(num_classes, make_margin(), chunk_size=chunk_size)
     embeddings, labels = make_labels_with_duplicates(num_classes, batch_size, seed=num_classes)
     loss, grad_e, grad_w = run_head(fast, embeddings, labels)
     ref_loss, ref_grad_e, ref_grad_w, ref_accuracy = reference_loss(
@@ -183,25 +188,47 @@ def test_tile_config_rejects_what_the_compiler_would_refuse():
         kernels.gpu_tiles(512, 132, "fp8")
 
 
-def test_chunk_size_is_accepted_and_changes_nothing(chunked):
-    # The kernels never keep an (N, C) tensor: chunk_size has nothing left to bound.
+def test_kept_logits_and_recomputed_logits_agree(chunked, monkeypatch):
+    # head.chunk_size None keeps the forward's exponentials for the backward, which reads
+    # them (no recomputation kernel runs); a chunk size recomputes them. The same function:
+    # fp32 operands agree to 1e-6 of the largest entry (the kept ones are rescaled from
+    # their tile's running max, the recomputed ones shifted by the final max at once).
+    launched = {"recomputed": 0, "kept": 0}
+    for name, key in (("_grad_logits_kernel", "recomputed"), ("_scale_kept_kernel", "kept")):
+        kernel = getattr(gemm_backward, name)
+        counted = CountedKernel(kernel, launched, key)
+        monkeypatch.setattr(gemm_backward, name, counted)
     torch.manual_seed(5)
-    head = ShardedMarginSoftmax(129, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
-    chunked = ShardedMarginSoftmax(
+    kept = ShardedMarginSoftmax(129, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
+    recomputed = ShardedMarginSoftmax(
         129, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton", chunk_size=7
     )
-    chunked.load_state_dict(head.state_dict())
+    recomputed.load_state_dict(kept.state_dict())
     embeddings, labels = make_labels_with_duplicates(129, 7, seed=6)
-    for a, b in zip(
-        run_head(head, embeddings, labels), run_head(chunked, embeddings, labels), strict=True
-    ):
-        assert torch.equal(a, b)
+    first = run_head(kept, embeddings, labels)
+    assert launched == {"recomputed": 0, "kept": 2}  # two chunks of one tile
+    second = run_head(recomputed, embeddings, labels)
+    assert launched == {"recomputed": 2, "kept": 2}
+    for a, b in zip(first, second, strict=True):
+        assert_close_rel(a, b.double(), 1e-6)
 
 
+class CountedKernel:
+    """A kernel whose launches are counted in `counts[key]`."""
+
+    def __init__(self, kernel, counts, key):
+        self.kernel, self.counts, self.key = kernel, counts, key
+
+    def __getitem__(self, grid):
+        self.counts[self.key] += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("chunk_size", [None, 64], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("half_weight", [False, True], ids=["autocast", "bf16_weight"])
-def test_bf16_operands_match_torch_path(half_weight, chunked):
+def test_bf16_operands_match_torch_path(half_weight, chunk_size, chunked):
     torch.manual_seed(7)
-    fast, slow = triton_and_torch_heads(129, CosFace(s=16.0))
+    fast, slow = triton_and_torch_heads(129, CosFace(s=16.0), chunk_size=chunk_size)
     embeddings, labels = make_labels_with_duplicates(129, 33, seed=8)
     results = []
     for head in (fast, slow):
@@ -296,6 +323,48 @@ def test_fused_update_matches_torch_sgd_over_steps(sample_rate, nesterov, moment
     assert {k: set(v) for k, v in fast_state["state"].items()} == {
         k: set(v) for k, v in slow_state["state"].items()
     }
+
+
+@pytest.mark.parametrize("sample_rate", [1.0, 0.5])
+def test_the_fused_update_keeps_the_rounded_rows_and_norms_current(sample_rate, chunked):
+    """With the fused update (and the logits kept, chunk size None) the head keeps its rows
+    in the matmul dtype and their inverse norms between steps, and the update's epilogue
+    writes both for the rows it steps: after each step they are what the fp32 rows give,
+    and no forward made them again. A checkpoint does not hold them, and after
+    load_state_dict they are made from the rows loaded."""
+    torch.manual_seed(17)
+    head = ShardedMarginSoftmax(
+        300, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton", sample_rate=sample_rate, seed=3
+    )
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.5, momentum=0.9, weight_decay=5e-4)
+    head.attach_fused_update(optimizer)
+    kept, made = head._kept_rows, []
+    for step in range(3):
+        embeddings, labels = make_labels_with_duplicates(300, 7, seed=30 + step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            head(embeddings, labels).backward()
+        optimizer.step()
+        made.append((kept.rounded, kept.inv_norm))
+        weight = head.weight.detach().double()
+        # bf16 within one step of the fp32 rows (the interpreter truncates, torch rounds to
+        # nearest), the inverse norms to fp32's precision.
+        assert ((kept.rounded.double() - weight).abs() <= 2**-7 * weight.abs()).all(), step
+        expected = 1 / torch.linalg.vector_norm(weight, dim=1)
+        assert_close_rel(kept.inv_norm, expected, 1e-6)
+    assert all(a is made[0][0] and b is made[0][1] for a, b in made)  # kept, never remade
+    assert set(head.state_dict()) == {
+        "weight",
+        "_extra_state",
+        *(f"margin.{k}" for k in head.margin.state_dict()),
+    }
+    fresh = ShardedMarginSoftmax(  # the rows as they started, the same sample
+        300, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton", sample_rate=sample_rate, seed=3
+    )
+    head.load_state_dict(fresh.state_dict())
+    embeddings, labels = make_labels_with_duplicates(300, 7, seed=40)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # training forwards: the kept rows
+        assert torch.equal(head(embeddings, labels), fresh(embeddings, labels))
+    assert kept.rounded is not made[0][0]
 
 
 class PausedKernel:
@@ -502,15 +571,19 @@ def test_triton_head_on_gloo_ranks_matches_single_process_reference(world_size, 
     hd.assert_checks_pass_on_ranks(world_size, tmp_path, (check_triton_ranks,))
 
 
-def test_one_chunk_of_rounded_rows_at_a_time(monkeypatch):
-    # The rounded rows exist a chunk at a time in the forward and in the GEMM backward: the
-    # first GPU run of this path held every chunk of the forward at once (a bf16 copy of
-    # the shard, 9.6 GiB more at 10M classes).
+@pytest.mark.parametrize("chunk_size", [None, 64], ids=["kept", "recomputed"])
+def test_rows_are_rounded_once_a_step_or_one_chunk_at_a_time(chunk_size, monkeypatch):
+    # With a chunk size the rounded rows exist a chunk at a time in the forward and in the
+    # backward: the first GPU run of this path held every chunk of the forward at once (a
+    # bf16 copy of the shard, 9.6 GiB more at 10M classes). Without one (the logits kept),
+    # the rows are rounded once for the whole step: no second pass in the backward.
     import weakref
+
+    from recognition.heads.kernels import host
 
     small_chunks(monkeypatch)
     made, most_alive = [], [0]
-    original = forward.chunk_rows
+    original = host.chunk_rows
 
     def counted(*args):
         most_alive[0] = max(most_alive[0], sum(ref() is not None for ref in made))
@@ -518,14 +591,18 @@ def test_one_chunk_of_rounded_rows_at_a_time(monkeypatch):
         made.append(weakref.ref(rows))
         return rows
 
-    monkeypatch.setattr(forward, "chunk_rows", counted)
-    monkeypatch.setattr(gemm_backward, "chunk_rows", counted)
+    monkeypatch.setattr(host, "chunk_rows", counted)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # rounded rows are copies
-        head = ShardedMarginSoftmax(1000, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
+        head = ShardedMarginSoftmax(
+            1000, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton", chunk_size=chunk_size
+        )
         embeddings, labels = make_labels_with_duplicates(1000, 7, seed=12)
         run_head(head, embeddings, labels)
-    assert len(made) == 2 * 8  # chunks of one 128-class tile, forward and backward
-    assert most_alive[0] <= 1  # the previous chunk, still named by the loop, at most
+    if chunk_size is None:
+        assert len(made) == 1  # the step's rows, rounded once
+    else:
+        assert len(made) == 2 * 8  # chunks of one 128-class tile, forward and backward
+        assert most_alive[0] <= 1  # the previous chunk, still named by the loop, at most
 
 
 def test_label_smoothing_on_the_triton_path(chunked):

@@ -279,6 +279,7 @@ def fake_tuning(tiling, monkeypatch, tiles: list) -> tuple[list, object]:
     timing, the timer)."""
     monkeypatch.setattr(tiling, "should_tune", lambda device, shape: True)
     monkeypatch.setattr(tiling, "rounded_forward_candidates", lambda *args: tiles)
+    monkeypatch.setattr(tiling, "candidates", lambda *args: tiles)
     times = []
 
     def timer(run):
@@ -288,7 +289,8 @@ def fake_tuning(tiling, monkeypatch, tiles: list) -> tuple[list, object]:
     return times, timer
 
 
-def test_tuning_keeps_the_fastest_candidate_that_runs(tiling):
+@pytest.mark.parametrize("kernel", ["forward", "forward_keep"])
+def test_tuning_keeps_the_fastest_candidate_that_runs(tiling, kernel):
     kernels = triton_stats.triton_kernels()
     small = kernels.KernelTiles(16, 16, 16, 1, 1)
     wide = kernels.KernelTiles(32, 16, 32, 1, 1)
@@ -304,7 +306,7 @@ def test_tuning_keeps_the_fastest_candidate_that_runs(tiling):
         return seconds
 
     failing = kernels.KernelTiles(16, 32, 16, 1, 1)
-    best, timings = tiling.tune_kernel("forward", problem, table, timer, [small, wide, failing])
+    best, timings = tiling.tune_kernel(kernel, problem, table, timer, [small, wide, failing])
     assert best == wide
     assert [t["ms"] for t in timings] == [2.0, 1.0, None]
     assert timings[2]["error"] == "RuntimeError: OutOfResources: out of resource: shared memory"
@@ -321,7 +323,7 @@ def test_tiles_are_timed_once_then_cached_per_shape(tiling, tmp_path, monkeypatc
     with caplog.at_level(logging.INFO, logger=tiling.__name__):
         config = tiling.tiles_for(cpu, small_shape(tiling), cache, timer)
     assert len(times) == 2
-    assert config == kernels.TileConfig(tiles[1], 4)
+    assert config == kernels.TileConfig(tiles[1], 4, forward_keep=tiles[0])
     assert sum("head tiles: " in r.getMessage() for r in caplog.records) == 1
     entries = cache.entries("tiles")
     assert [e["key"]["kernel"] for e in entries] == ["forward"]
@@ -333,18 +335,22 @@ def test_tiles_are_timed_once_then_cached_per_shape(tiling, tmp_path, monkeypatc
     assert tiling.tiles_for(cpu, small_shape(tiling), tuning.TuningCache(tmp_path), timer) == config
     assert len(times) == 2  # a new process reads the cache
 
-    # Another N, or the partial-FC index: timed again.
+    # Another N, or the partial-FC index: timed again. The forward keeping its logits: its
+    # own tiles, timed (the other kernel's stay the table's).
     tiling.tiles_for(cpu, small_shape(tiling, num_rows=32), cache, timer)
     assert len(times) == 4
     tiling.tiles_for(cpu, small_shape(tiling, has_index=False), cache, timer)
     assert len(times) == 6
+    keeping = tiling.tiles_for(cpu, small_shape(tiling, keeps_logits=True), cache, timer)
+    assert len(times) == 8
+    assert keeping == kernels.TileConfig(tiles[0], 4, forward_keep=tiles[1])
 
     cache.path("tiles").write_text("{truncated")
     monkeypatch.setattr(tiling, "_TUNED", {})
     monkeypatch.setattr(tiling, "_CONFIGS", {})
     with caplog.at_level(logging.WARNING, logger=tuning.__name__):
         tiling.tiles_for(cpu, small_shape(tiling), tuning.TuningCache(tmp_path), timer)
-    assert len(times) == 8
+    assert len(times) == 10
     assert any("ignoring the tuning cache" in r.getMessage() for r in caplog.records)
 
 

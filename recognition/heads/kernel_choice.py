@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from recognition.heads import tuning
+from recognition.heads.kept_rows import KeptRows
 from recognition.heads.local_stats import BLOCK_SIZE, LocalClassStats
 from recognition.heads.triton_stats import FusedSGD, TritonClassStats
 
@@ -68,7 +69,8 @@ class StatsInputs:
 @dataclass
 class ShardShape:
     """What the choice and the tiles depend on besides a forward's tensors: the rank's shard
-    (its weight, classes, D), the torch path's chunk size, the ranks that must agree."""
+    (its weight, classes, D), the chunk size (None: keep the logits for backward), the ranks
+    that must agree, and what the Triton path keeps of the rows between fused updates."""
 
     weight: Tensor
     num_local: int
@@ -76,6 +78,7 @@ class ShardShape:
     chunk_size: int | None
     world_size: int
     group: ProcessGroup | None
+    kept_rows: KeptRows | None = None
 
 
 class KernelSelector:
@@ -157,7 +160,7 @@ class KernelSelector:
         tiles = self.triton_tiles(shard, x)
         return TritonClassStats.apply(
             x.norm_embeddings, shard.weight, x.row_index, x.target_row, x.scale,
-            x.matmul_dtype, fused, tiles,
+            x.matmul_dtype, fused, tiles, shard.chunk_size is None, shard.kept_rows,
         )  # fmt: skip
 
     def _auto_uses_triton(
@@ -238,5 +241,6 @@ class KernelSelector:
             weight_dtype=shard.weight.dtype,
             matmul_dtype=inputs.matmul_dtype,
             has_index=row_index is not None,
+            keeps_logits=shard.chunk_size is None,
         )
         return tile_tuning.tiles_for(norm_embeddings.device, shape, self.cache)

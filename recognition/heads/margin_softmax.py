@@ -69,6 +69,7 @@ from torch.distributed import ProcessGroup
 from recognition import distributed
 from recognition.heads import tuning
 from recognition.heads.input_checks import InputChecks, check_arguments
+from recognition.heads.kept_rows import KeptRows
 from recognition.heads.kernel_choice import KernelSelector, ShardShape, StatsInputs
 from recognition.heads.local_stats import l2_normalize
 from recognition.heads.margins import Margin
@@ -286,6 +287,9 @@ class ShardedMarginSoftmax(OptimizerHandOver, nn.Module):
         self.sampled_index: Tensor | None = None
         self._optimizer_param: list[Tensor] = [self.weight]  # see OptimizerHandOver
         self._fused: FusedSGD | None = None
+        # The Triton path's rounded rows and inverse norms between fused updates (derived
+        # state, never in a checkpoint: kept_rows.py).
+        self._kept_rows = KeptRows()
 
     # ---------------------------------------------------------------- the shard
 
@@ -326,7 +330,7 @@ class ShardedMarginSoftmax(OptimizerHandOver, nn.Module):
     def _shard(self) -> ShardShape:
         return ShardShape(
             self.weight, self.num_local, self.embedding_size, self.chunk_size,
-            self.world_size, self.group,
+            self.world_size, self.group, self._kept_rows,
         )  # fmt: skip
 
     # ---------------------------------------------------------------- the loss

@@ -1,5 +1,6 @@
-"""Host-side pieces the kernels' wrappers share: launch settings, class splits and chunks,
-rows rounded a chunk at a time, and `BackwardInputs`, what either backward takes.
+"""Host-side pieces the kernels' wrappers share: launches, launch settings, class splits and
+chunks, where the rounded rows come from (`RowSource`), and `BackwardInputs`, what the
+backward takes.
 
 Import this module only when the kernels are needed: it imports triton.
 """
@@ -8,10 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from recognition.heads.kernels.tiles import (
     INTERPRET,
@@ -21,6 +24,15 @@ from recognition.heads.kernels.tiles import (
     input_precision,
     padded_dim,
 )
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """`kernel[grid](*args, **kwargs)`, except on the run planner's fake tensors: they have
+    no memory to run on, and a launch allocates none (the planner counts what the host
+    allocates around it)."""
+    if any(isinstance(arg, Tensor) and is_fake(arg) for arg in args):
+        return
+    kernel[grid](*args, **kwargs)
 
 
 def launch_settings(norm_embeddings: Tensor, matmul_dtype: torch.dtype, tiles: KernelTiles) -> dict:
@@ -66,9 +78,31 @@ def chunk_rows(
 
 
 @dataclass
+class RowSource:
+    """Where the kernels read the taking-part rows from, in the matmul dtype `dtype`:
+    `rounded`, rows rounded beforehand - of every class of the shard, (C_local, D), read
+    through `row_index` (`by_row`), or of the taking-part positions, (K, D) - or, when
+    None, the weight's rows rounded a chunk at a time (`chunk_rows`)."""
+
+    weight: Tensor
+    row_index: Tensor | None
+    dtype: torch.dtype
+    rounded: Tensor | None = None
+    by_row: bool = False
+
+    def chunk(self, first: int, end: int) -> Tensor:
+        """The rows of taking-part positions [first, end), dense (K_c, D) in `dtype`."""
+        if self.rounded is None:
+            return chunk_rows(self.weight, self.row_index, first, end, self.dtype)
+        if self.by_row and self.row_index is not None:
+            return self.rounded.index_select(0, self.row_index[first:end])
+        return self.rounded[first:end]
+
+
+@dataclass
 class BackwardInputs:
-    """What a backward of `forward.class_stats` takes (margin_softmax_triton's
-    `class_stats_backward` says what each is), and what both backwards derive from it."""
+    """What the backward of `forward.class_stats` takes (margin_softmax_triton's
+    `class_stats_backward` says what each is), and what it derives from it."""
 
     norm_embeddings: Tensor
     weight: Tensor
@@ -83,8 +117,14 @@ class BackwardInputs:
     target_grad: Tensor | None = None
     sgd: SGDUpdate | None = None
     norm_limit: float = math.inf
+    rows: RowSource | None = None
+    kept: Any = None  # forward.KeptLogits
+    kept_rows: tuple[Tensor | None, Tensor] | None = None
 
     def __post_init__(self) -> None:
+        if self.rows is None:
+            self.rows = RowSource(self.weight, self.row_index, self.matmul_dtype)
+        self.eps = 1.0 / self.norm_limit  # 0 for an infinite limit
         self.num_rows, self.dim = self.norm_embeddings.shape
         self.num_classes = self.inv_norm.shape[0]
         self.mm_embeddings = self.norm_embeddings.to(self.matmul_dtype)
@@ -143,6 +183,14 @@ class BackwardInputs:
         gate = self.gate if self.gate is not None else self.target_pos
         return (grad_w if grad_w is not None else self.weight, extra, slot, self.buffer_arg, gate)
 
+    def kept_rows_args(self) -> tuple[Tensor, Tensor]:
+        """Where a fused update writes what the next step reads of the rows it steps: their
+        copy in the matmul dtype (C_local, D) and their inverse norms (C_local,)
+        (placeholders where not kept)."""
+        rounded, inv_norm = self.kept_rows if self.kept_rows is not None else (None, None)
+        return (rounded if rounded is not None else self.inv_norm,
+                inv_norm if inv_norm is not None else self.inv_norm)  # fmt: skip
+
     def update_scalars(self) -> tuple[float, float, float]:
         """lr, momentum, weight decay of the fused update (zeros without one)."""
         sgd = self.sgd
@@ -153,6 +201,7 @@ class BackwardInputs:
     def update_flags(self) -> dict[str, bool]:
         """The epilogue's constexprs."""
         sgd = self.sgd
+        kept = self.kept_rows if sgd is not None else None
         return {
             "HAS_INDEX": self.row_index is not None,
             "FUSED": sgd is not None,
@@ -160,4 +209,6 @@ class BackwardInputs:
             "HAS_MOMENTUM": sgd is not None and sgd.momentum_buffer is not None,
             "NESTEROV": bool(sgd and sgd.nesterov),
             "HAS_GATE": self.gate is not None,
+            "KEEP_NORMS": kept is not None,
+            "KEEP_ROWS": kept is not None and kept[0] is not None,
         }

@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from recognition.heads.kernels import gemm_backward
-from recognition.heads.kernels.forward import class_stats, inverse_norms
-from recognition.heads.kernels.host import BackwardInputs
+from recognition.heads.kernels.forward import KeptLogits, class_stats, inverse_norms
+from recognition.heads.kernels.host import BackwardInputs, RowSource
 from recognition.heads.kernels.tiles import (
     INTERPRET,
     INTERPRETER_TILES,
@@ -44,9 +44,9 @@ from recognition.heads.kernels.tiles import (
 )
 
 __all__ = [
-    "INTERPRET", "INTERPRETER_TILES", "OPERAND_KINDS", "KernelTiles", "SGDUpdate", "TileConfig",
-    "class_stats", "class_stats_backward", "default_tiles", "gpu_tiles", "input_precision",
-    "inverse_norms", "padded_dim",
+    "INTERPRET", "INTERPRETER_TILES", "OPERAND_KINDS", "KeptLogits", "KernelTiles", "RowSource",
+    "SGDUpdate", "TileConfig", "class_stats", "class_stats_backward", "default_tiles",
+    "gpu_tiles", "input_precision", "inverse_norms", "padded_dim",
 ]  # fmt: skip
 
 
@@ -66,6 +66,9 @@ def class_stats_backward(
     target_grad: Tensor | None = None,
     sgd: SGDUpdate | None = None,
     norm_limit: float = math.inf,
+    rows: RowSource | None = None,
+    kept: KeptLogits | None = None,
+    kept_rows: tuple[Tensor | None, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Gradients of sum(grad_sumexp * sum-exp) from `class_stats`'s inputs (gemm_backward.py).
 
@@ -76,9 +79,15 @@ def class_stats_backward(
     applied to `weight` in place as that SGD step, and no gradient is returned for the
     weight.
     `norm_limit` = 1 / eps: rows whose inverse norm reaches it keep their radial part.
+    `rows`: where the rounded rows come from, as the forward had them (default: rounded a
+    chunk at a time). `kept`: what `class_stats(keep=True)` returned, which the backward
+    reads (and overwrites: a second backward of the same forward is not possible) instead of
+    recomputing the logits. `kept_rows`, with `sgd`: the head's copy of its rows in the
+    matmul dtype (C_local, D) or None, and their inverse norms (C_local,), which the update
+    keeps current for the rows it steps.
     """
     inputs = BackwardInputs(
         norm_embeddings, weight, row_index, inv_norm, target_pos, row_max, grad_sumexp, scale,
-        matmul_dtype, want_weight, target_grad, sgd, norm_limit,
+        matmul_dtype, want_weight, target_grad, sgd, norm_limit, rows, kept, kept_rows,
     )  # fmt: skip
     return gemm_backward.backward(inputs, tiles)

@@ -3,14 +3,15 @@
 `margin_softmax_triton.gpu_tiles` holds, per operand kind, the forward's tiles that ptxas
 showed to fit an H100 (sm_90) without spilling registers (`python -m
 benchmarks.head_kernel_resources`): they bound what fits, not what is fastest. On a GPU the
-forward kernel (whose tiles the backward's gradient-of-logits kernel runs on too) is timed
-here at the run's shapes with each of its candidates - the table's tiles and, for half
-operands, larger tiles ptxas showed to fit on rounded rows (`ROUNDED_FORWARD`), for fp32
-operands their neighbours (one more pipeline stage, half the class or row block, more
-warps, a wider step over D, ...) whose register footprint (`footprint`: the fp32 values
-per thread of the tiles a program keeps live) is no larger than the table's - and the
-fastest is kept: in memory for the process, and in the tuning cache (`heads/tuning.py`,
-file `head-tiles.json`) for later runs, with every candidate's time. A candidate that does
+forward kernel the run uses (whose tiles the backward's gradient-of-logits kernel runs on
+too; or the forward that keeps its logits, `forward_keep`) is timed here at the run's
+shapes with each of its candidates - the table's tiles and, for the forward on half
+operands, larger tiles ptxas showed to fit on rounded rows (`ROUNDED_FORWARD`), else their
+neighbours (one more pipeline stage, half the class or row block, more warps, a wider step
+over D, ...) whose register footprint (`footprint`: the fp32 values per thread of the tiles
+a program keeps live) is no larger than the table's - and the fastest is kept: in memory
+for the process, and in the tuning cache (`heads/tuning.py`, file `head-tiles.json`) for
+later runs, with every candidate's time. A candidate that does
 not launch (more shared memory than the GPU offers: Triton raises OutOfResources) or fails
 otherwise is dropped; the table's tiles stay when no candidate runs.
 
@@ -39,7 +40,9 @@ from recognition.heads import tuning
 
 logger = logging.getLogger(__name__)
 
-KERNEL_NAMES = ("forward",)  # the kernels whose tiles are tuned
+# The kernels whose tiles are tuned: the forward, and the forward keeping its logits (a run
+# uses one of the two and tunes that one).
+KERNEL_NAMES = ("forward", "forward_keep")
 MAX_CANDIDATES = 6  # the table's tiles included
 TUNE_CLASSES = 1 << 17  # scratch classes (fewer when the run has fewer)
 MIN_TUNED_WORK = 1 << 30  # N x classes x D below which the table's tiles are used untimed
@@ -59,7 +62,7 @@ def _kernels() -> ModuleType:
 class TuneShape:
     """What the tiles are tuned for: N rows of the global batch, embedding size D, classes
     taking part on this rank, the weight and matmul dtypes, whether a partial-FC row index
-    is used."""
+    is used, whether the forward keeps its logits for the backward."""
 
     num_rows: int
     dim: int
@@ -67,6 +70,12 @@ class TuneShape:
     weight_dtype: torch.dtype
     matmul_dtype: torch.dtype
     has_index: bool = False
+    keeps_logits: bool = False
+
+    @property
+    def kernel(self) -> str:
+        """The kernel whose tiles a launch of this shape uses."""
+        return "forward_keep" if self.keeps_logits else "forward"
 
 
 def describe(tiles) -> str:
@@ -173,7 +182,7 @@ def tiles_for(
         return _CONFIGS[launch]
     timer = timer or (lambda run: tuning.time_steps(run, device, repeats=5))
     chosen, problem = {}, None
-    for name in KERNEL_NAMES:
+    for name in [shape.kernel]:
         key = tile_key(name, device, shape)
         text = tuning._key_text(key)
         tiles = _TUNED.get(text)
@@ -224,12 +233,15 @@ def tune_kernel(
     name: str, problem: ScratchProblem, table, timer: Callable, options: list | None = None
 ) -> tuple[object, list[dict]]:
     """Time kernel `name` with each candidate (`options`, default
-    `rounded_forward_candidates`). Returns the fastest tiles (the table's when none ran) and
-    every candidate's {"tiles", "ms", "error"}."""
+    `rounded_forward_candidates` for the forward, the footprint rule's `candidates` for the
+    forward keeping its logits, whose larger tiles spill). Returns the fastest tiles (the
+    table's when none ran) and every candidate's {"tiles", "ms", "error"}."""
     kernels = _kernels()
     table_tiles = getattr(table, name)
+    d_pad = kernels.padded_dim(problem.shape.dim)
+    if options is None and name == "forward_keep":
+        options = candidates(d_pad, table_tiles)
     if options is None:
-        d_pad = kernels.padded_dim(problem.shape.dim)
         options = rounded_forward_candidates(table_tiles, problem.shape.matmul_dtype, d_pad)
     timings, best, best_s = [], table_tiles, None
     for tiles in options:
@@ -292,8 +304,9 @@ class ScratchProblem:
         self.inv_norm = kernels.inverse_norms(self.weight, self.row_index, eps)
 
     def run(self, name: str, tiles) -> None:
-        """One launch of kernel `name` (the forward) at `tiles`."""
-        if name != "forward":
+        """One launch of kernel `name` (the forward, keeping its logits or not) at `tiles`."""
+        if name not in KERNEL_NAMES:
             raise ValueError(f"ScratchProblem.run: unknown kernel {name!r}")
         common = (self.embeddings, self.weight, self.row_index, self.inv_norm, self.target_pos)
-        _kernels().class_stats(*common, SCALE, self.shape.matmul_dtype, tiles)
+        keep = name == "forward_keep"
+        _kernels().class_stats(*common, SCALE, self.shape.matmul_dtype, tiles, keep=keep)

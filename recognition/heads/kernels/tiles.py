@@ -11,9 +11,15 @@ weights, N = 1024): largest dynamic shared memory in bytes / most registers per 
 with triton 3.8; the H100 allows 232,448 bytes per block. Operands in bf16 or fp16 (the
 same figures), in tf32, and in fp32 without TF32 (tl.dot on the CUDA cores):
 
-    kernel    tiles CxNxD, warps, stages      bf16/fp16         tf32
-    forward   128x128x32 w8 s3                65,536 / 222      98,304 / 210
-    fp32: forward 64x64x16 w4 s2 (8,192 / 168)
+    kernel         tiles CxNxD, warps, stages      bf16/fp16         tf32
+    forward        128x128x32 w8 s3                49,152 / 173      98,304 / 202
+    forward, keep  128x64x32 w8 s3                 36,864 / 222      73,728 / 212
+    fp32: forward 64x64x16 w4 s2 (8,192 / 165), keeping its logits (8,192 / 255)
+
+The forward that keeps its logits for the backward stores a (rows, classes) tile of them
+per step of its class loop: at 128x128 that spills (255 registers, 180 bytes of spill
+stores, with 8 warps; 16 warps allow 128 registers and spill more), at 128 classes x 64
+rows it fits.
 
 These tiles are chosen for what fits, and bound what is tried: on a GPU, tile_tuning.py
 times them and larger ones ptxas showed to fit at the run's shapes and keeps the fastest
@@ -80,21 +86,28 @@ class KernelTiles:
 
 @dataclass(frozen=True)
 class TileConfig:
-    """The forward kernel's tiles (the gradient-of-logits kernel runs on them too) and the
-    programs its grid aims for; checked when made (a bad value raises ValueError)."""
+    """The forward kernel's tiles (the gradient-of-logits kernel runs on them too), its
+    tiles when it keeps the logits for the backward (`forward_keep`: the store of a logits
+    tile takes registers; None: `forward`'s), and the programs its grid aims for; checked
+    when made (a bad value raises ValueError)."""
 
     forward: KernelTiles
     # Programs the forward aims for (row blocks x splits): a few per SM on a GPU; few on
     # the interpreter, which runs programs one after another.
     target_programs: int = 0
+    forward_keep: KernelTiles | None = None
 
     def __post_init__(self) -> None:
+        if self.forward_keep is None:
+            object.__setattr__(self, "forward_keep", self.forward)
         self.check()
 
     def check(self) -> None:
-        if not isinstance(self.forward, KernelTiles):
-            raise ValueError(f"TileConfig.forward: must be a KernelTiles, got {self.forward!r}")
-        self.forward.check("TileConfig.forward")
+        for name in ("forward", "forward_keep"):
+            tiles = getattr(self, name)
+            if not isinstance(tiles, KernelTiles):
+                raise ValueError(f"TileConfig.{name}: must be a KernelTiles, got {tiles!r}")
+            tiles.check(f"TileConfig.{name}")
         if not isinstance(self.target_programs, int) or self.target_programs < 0:
             raise ValueError(
                 f"TileConfig.target_programs: must be an integer >= 0, got {self.target_programs!r}"
@@ -127,14 +140,19 @@ INTERPRETER_TILES = TileConfig(
 )
 
 
-# GPU tiles by operand kind (see the module docstring for what ptxas reports for them on
-# sm_90). "half": bf16 or fp16 operands, "tf32": fp32 operands on the tensor cores, "fp32":
-# without TF32, tl.dot on the CUDA cores, which needs far more registers.
-_TENSOR_CORE_FORWARD = KernelTiles(block_c=128, block_n=128, block_d=32, num_warps=8, num_stages=3)
+# GPU tiles by operand kind, (forward, forward keeping its logits) (see the module docstring
+# for what ptxas reports for them on sm_90). "half": bf16 or fp16 operands, "tf32": fp32
+# operands on the tensor cores, "fp32": without TF32, tl.dot on the CUDA cores, which needs
+# far more registers.
+_TENSOR_CORE_FORWARD = (
+    KernelTiles(block_c=128, block_n=128, block_d=32, num_warps=8, num_stages=3),
+    KernelTiles(block_c=128, block_n=64, block_d=32, num_warps=8, num_stages=3),
+)
+_FP32_FORWARD = KernelTiles(block_c=64, block_n=64, block_d=16, num_warps=4, num_stages=2)
 _GPU_TILES = {
     "half": _TENSOR_CORE_FORWARD,
     "tf32": _TENSOR_CORE_FORWARD,
-    "fp32": KernelTiles(block_c=64, block_n=64, block_d=16, num_warps=4, num_stages=2),
+    "fp32": (_FP32_FORWARD, _FP32_FORWARD),
 }
 OPERAND_KINDS = tuple(_GPU_TILES)
 
@@ -146,7 +164,8 @@ def gpu_tiles(dim: int, num_sms: int, operands: str = "half") -> TileConfig:
     so its tiles do not depend on `dim`."""
     if operands not in _GPU_TILES:
         raise ValueError(f"gpu_tiles: operands must be one of {OPERAND_KINDS}, got {operands!r}")
-    return TileConfig(forward=_GPU_TILES[operands], target_programs=4 * num_sms)
+    forward, forward_keep = _GPU_TILES[operands]
+    return TileConfig(forward, target_programs=4 * num_sms, forward_keep=forward_keep)
 
 
 def default_tiles(device: torch.device, dim: int, matmul_dtype: torch.dtype) -> TileConfig:
