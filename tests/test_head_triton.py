@@ -213,6 +213,30 @@ def test_kept_logits_and_recomputed_logits_agree(chunked, monkeypatch):
         assert_close_rel(a, b.double(), 1e-6)
 
 
+def test_kept_logits_stay_within_their_tensors(monkeypatch):
+    # The forward's last class split may run past the chunk's tiles (10 tiles in splits of
+    # 3 here): those tiles store nothing. Guard values after each kept tensor must survive.
+    guards = []
+
+    def guarded(probabilities, tile_shift, block_c):
+        extended = []
+        for tensor in (probabilities, tile_shift):
+            flat = torch.full((tensor.numel() + 4096,), float("nan"), dtype=tensor.dtype)
+            guards.append((flat, tensor.numel()))
+            extended.append(flat[: tensor.numel()].view(tensor.shape))
+        return kept_type(*extended, block_c)
+
+    kept_type = forward.KeptLogits
+    monkeypatch.setattr(forward, "KeptLogits", guarded)
+    torch.manual_seed(8)
+    head = ShardedMarginSoftmax(1200, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
+    embeddings, labels = make_labels_with_duplicates(1200, 7, seed=8)
+    run_head(head, embeddings, labels)
+    assert len(guards) == 2
+    for flat, used in guards:
+        assert torch.isnan(flat[used:]).all()
+
+
 class CountedKernel:
     """A kernel whose launches are counted in `counts[key]`."""
 

@@ -5,14 +5,14 @@ logits' exponentials for the backward (`KeptLogits`).
 The classes go a chunk at a time (`chunk_classes`: at most CHUNK_ROW_VALUES values of rows,
 65,536 classes at D = 512): the chunk's rows - gathered through the partial-FC index, if
 any - are rounded to the matmul dtype beforehand (`host.RowSource`: a chunk at a time, or
-once for the step, or the head's kept copy). So the kernel reads its operands as the matrix units take them: on a Hopper GPU a tile
-then goes from shared memory straight to an asynchronous wgmma, one of them in flight while
-the next loads, where rows rounded in the kernel go through registers (a load, a
-conversion, a store back to shared memory and a fence) and each wgmma is waited for at once
-(what Triton 3.8 makes of the two for sm_90: python -m benchmarks.head_kernel_resources
-compiles them). Measured on an H200 at 1M classes (N 1024, D 512, bf16, tuned tiles): 2.9 ms
-on rounded chunks (about 370 TFLOP/s) against 4.0 to 5.2 ms on raw rows
-(benchmarks/results/head_profile-*-nvidia-h200.md).
+once for the step, or the head's kept copy). So the kernel reads its operands as the
+matrix units take them: on a Hopper GPU a tile then goes from shared memory straight to an
+asynchronous wgmma, one of them in flight while the next loads, where rows rounded in the
+kernel go through registers (a load, a conversion, a store back to shared memory and a
+fence) and each wgmma is waited for at once (what Triton 3.8 makes of the two for sm_90:
+python -m benchmarks.head_kernel_resources compiles them). Measured on an H200 at 1M
+classes (N 1024, D 512, bf16, tuned tiles): 2.9 ms on rounded chunks (about 370 TFLOP/s)
+against 4.0 to 5.2 ms on raw rows (benchmarks/results/head_profile-*-nvidia-h200.md).
 
 Over a chunk: a grid of (row blocks, class splits). Each program walks its split of the
 classes BLOCK_C at a time; for each tile, the logits (BLOCK_N, BLOCK_C) are summed over the
@@ -83,7 +83,9 @@ def _forward_kernel(
             k_ptrs = KEPT + offs_n[:, None] * stride_kn + offs_c[None, :]
             k_mask = n_mask[:, None] & c_mask[None, :]
             tl.store(k_ptrs, probabilities.to(KEPT.dtype.element_ty), mask=k_mask)
-            tl.store(TILE_SHIFT + tile.to(tl.int64) * num_rows + offs_n, shift, mask=n_mask)
+            # The last split may run past the chunk's tiles: those store nothing.
+            in_chunk = n_mask & (tile * BLOCK_C < num_classes)
+            tl.store(TILE_SHIFT + tile.to(tl.int64) * num_rows + offs_n, shift, mask=in_chunk)
     out = pid_s * num_rows + offs_n
     tl.store(PART_MAX + out, row_max, mask=n_mask)
     tl.store(PART_SUM + out, row_sum, mask=n_mask)
