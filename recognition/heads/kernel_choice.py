@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed import ProcessGroup
 
 from recognition.heads import tuning
@@ -101,16 +102,21 @@ class KernelSelector:
             self.logger.info(message)
 
     def uses_triton(
-        self, device: torch.device, stats_dtype: torch.dtype, measure: Callable[[], Any]
+        self,
+        device: torch.device,
+        stats_dtype: torch.dtype,
+        measure: Callable[[], Any],
+        planning: bool = False,
     ) -> bool:
         """Whether this forward runs the Triton kernels. For kernel="auto" the answer of
         `measure()` (called once per device type and statistics dtype, on CUDA only) or
-        torch; every choice not asked for is logged once."""
+        torch; every choice not asked for is logged once. `planning`: on the run planner's
+        fake tensors (standing for a GPU's), where the kernels' launches are left out."""
         if self.kernel == "torch":
             return False
         if self.kernel == "auto":
             return self._auto_uses_triton(device, stats_dtype, measure)
-        if device.type != "cuda" and not triton_interpreting():
+        if device.type != "cuda" and not triton_interpreting() and not planning:
             raise ValueError(
                 f"head.kernel=triton: the kernels run on CUDA tensors, got {device.type} "
                 "(or set TRITON_INTERPRET=1 to interpret them on the CPU)"
@@ -135,7 +141,8 @@ class KernelSelector:
         fused update this training forward's backward applies, or None."""
         x = inputs
         device = x.norm_embeddings.device
-        if self.uses_triton(device, compute_dtype, lambda: self.measure(shard, inputs)):
+        planning = is_fake(x.norm_embeddings)
+        if self.uses_triton(device, compute_dtype, lambda: self.measure(shard, inputs), planning):
             if x.matmul_dtype == torch.float64:
                 x = replace(x, matmul_dtype=torch.float32)
             return self._triton_stats(shard, x, fused)

@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from recognition.heads.kernels import forward
 from recognition.heads.kernels.blocks import (
@@ -89,7 +90,7 @@ def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     setting, as the torch path's matmuls do."""
     if a.dtype == torch.float32:
         return a @ b
-    if a.is_cuda:
+    if a.is_cuda or is_fake(a):  # the run planner's fake tensors stand for a GPU's
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
