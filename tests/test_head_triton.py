@@ -137,15 +137,22 @@ def test_backward_repeats_bitwise_in_deterministic_mode(chunked):
 
 def gpu_shaped_tiles(*args):
     """Tiles shaped as on a GPU, small enough for EMBEDDING_SIZE: the dimension summed in two
-    BLOCK_D steps (the second partly padding), several class splits."""
+    BLOCK_D steps (the second partly padding), several class splits; the forward keeping its
+    logits on wider class tiles than the recomputation's (the backward's chunks follow its
+    tiles)."""
     kernels = triton_stats.triton_kernels()
     tiles = kernels.KernelTiles(block_c=16, block_n=16, block_d=16, num_warps=4, num_stages=2)
-    return kernels.TileConfig(tiles, target_programs=6)
+    keeping = kernels.KernelTiles(block_c=32, block_n=16, block_d=16, num_warps=4, num_stages=2)
+    return kernels.TileConfig(tiles, target_programs=6, forward_keep=keeping)
 
 
 @pytest.mark.parametrize("sample_rate", [1.0, 0.3])
 def test_gpu_shaped_tiles_match_torch_path_and_fused_update(sample_rate, monkeypatch):
     small_chunks(monkeypatch, gpu_shaped_tiles)
+    # Chunks of at most 48 classes, three recomputation tiles: the kept logits' tiles of 32
+    # must not straddle a chunk's start.
+    monkeypatch.setattr(gemm_backward, "CHUNK_LOGITS", 33 * 48)
+    monkeypatch.setattr(forward, "CHUNK_ROW_VALUES", EMBEDDING_SIZE * 48)
     torch.manual_seed(13)
     fast, slow = triton_and_torch_heads(129, ArcFace(s=16.0), sample_rate=sample_rate, seed=2)
     embeddings, labels = make_labels_with_duplicates(129, 33, seed=14)

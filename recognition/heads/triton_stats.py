@@ -22,6 +22,7 @@ from recognition.heads.local_stats import (
     target_share,
     target_terms,
 )
+from recognition.heads.traffic import phase
 
 
 def triton_kernels() -> ModuleType:
@@ -144,13 +145,14 @@ class TritonClassStats(ClassStatsFunction):
             target_rows, target_cos, target_pos = target_terms(
                 norm_embeddings, weight, row_index, target_row
             )
-            rows, inv_norm, held = class_rows(
-                kernels, weight, row_index, matmul_dtype, keep, kept_rows if fused else None
-            )
-            row_max, row_sumexp, kept = kernels.class_stats(
-                norm_embeddings, weight, row_index, inv_norm, target_pos, scale, matmul_dtype,
-                tiles, rows=rows, keep=keep,
-            )  # fmt: skip
+            with phase("forward"):
+                rows, inv_norm, held = class_rows(
+                    kernels, weight, row_index, matmul_dtype, keep, kept_rows if fused else None
+                )
+                row_max, row_sumexp, kept = kernels.class_stats(
+                    norm_embeddings, weight, row_index, inv_norm, target_pos, scale,
+                    matmul_dtype, tiles, rows=rows, keep=keep,
+                )  # fmt: skip
         ctx.save_for_backward(
             norm_embeddings, weight, row_index, target_row, target_rows, target_pos, inv_norm,
             row_max,

@@ -70,6 +70,7 @@ from recognition.heads.kernels.host import (
     launch_settings,
 )
 from recognition.heads.kernels.tiles import TileConfig, padded_dim
+from recognition.heads.traffic import phase
 
 # Logits per chunk: G holds at most this many values of the matmul dtype (128 MiB in bf16;
 # the rows' chunk of forward.CHUNK_ROW_VALUES bounds it too). A module constant rather than
@@ -189,7 +190,9 @@ def backward(inputs: BackwardInputs, tiles: TileConfig) -> tuple[Tensor, Tensor 
     num_rows, dim, num_classes = x.num_rows, x.dim, x.num_classes
     grad_w = x.new_grad_weight()
     settings = launch_settings(x.norm_embeddings, x.matmul_dtype, tiles.forward)
-    block_c = tiles.forward.block_c
+    # Chunks of whole tiles: the recomputation's, or the forward's that kept the logits (its
+    # tile shifts go by its tiles).
+    block_c = x.kept.block_c if x.kept is not None else tiles.forward.block_c
     limit = min(CHUNK_LOGITS // max(num_rows, 1), forward.CHUNK_ROW_VALUES // max(dim, 1))
     chunk = chunk_classes(num_classes, block_c, limit)
     grad_e = x.norm_embeddings.new_zeros((num_rows, dim), dtype=torch.float32)
@@ -198,23 +201,36 @@ def backward(inputs: BackwardInputs, tiles: TileConfig) -> tuple[Tensor, Tensor 
         g = x.norm_embeddings.new_empty((num_rows, chunk), dtype=x.matmul_dtype)  # (N, K_c)
     for first in range(0, num_classes, chunk):
         end = min(first + chunk, num_classes)
-        rows = x.rows.chunk(first, end)  # (K_c, D), rounded
-        if g is None:
-            g_chunk = _scale_kept(x, first, end)
-        else:
-            g_chunk = g[:, : end - first]
-            grid = (triton.cdiv(num_rows, settings["BLOCK_N"]), triton.cdiv(end - first, block_c))
-            launch(_grad_logits_kernel, grid,
-                rows, x.mm_embeddings, x.inv_norm[first:end], x.target_pos - first, x.shift,
-                x.grad_scale, g, end - first, num_rows, dim, rows.stride(0),
-                x.mm_embeddings.stride(0), g.stride(0), float(x.scale), **settings,
-            )  # fmt: skip
-        grad_e += mm_fp32(g_chunk, rows)  # (N, D)
+        with phase("logit gradient"):
+            rows = x.rows.chunk(first, end)  # (K_c, D), rounded
+            if g is None:
+                g_chunk = _scale_kept(x, first, end)
+            else:
+                g_chunk = _recompute(x, rows, g, first, end, settings)
+        with phase("embedding product"):
+            grad_e += mm_fp32(g_chunk, rows)  # (N, D)
         del rows
         if x.want_rows:
-            u = mm_fp32(g_chunk.t(), x.mm_embeddings)  # (K_c, D): g / |w| of the chunk's rows
-            _finish(x, u, grad_w, first, end)
+            with phase("row product"):
+                u = mm_fp32(g_chunk.t(), x.mm_embeddings)  # (K_c, D): g / |w| of its rows
+            with phase("update"):
+                _finish(x, u, grad_w, first, end)
     return grad_e, grad_w
+
+
+def _recompute(
+    x: BackwardInputs, rows: Tensor, g: Tensor, first: int, end: int, settings: dict
+) -> Tensor:
+    """The chunk's gradient of the logits, recomputed from its rounded rows into `g`
+    (`_grad_logits_kernel`): (N, K_c) in the matmul dtype, a view of `g`."""
+    num_rows, block_c = x.num_rows, settings["BLOCK_C"]
+    grid = (triton.cdiv(num_rows, settings["BLOCK_N"]), triton.cdiv(end - first, block_c))
+    launch(_grad_logits_kernel, grid,
+        rows, x.mm_embeddings, x.inv_norm[first:end], x.target_pos - first, x.shift,
+        x.grad_scale, g, end - first, num_rows, x.dim, rows.stride(0), x.mm_embeddings.stride(0),
+        g.stride(0), float(x.scale), **settings,
+    )  # fmt: skip
+    return g[:, : end - first]
 
 
 def _scale_kept(x: BackwardInputs, first: int, end: int) -> Tensor:
