@@ -210,6 +210,9 @@ def section_head(run: SectionRun) -> None:
             run.fail(what, _first_line(result["error"]))
             continue
         _head_row(run, head, case, result, label, torch_ms)
+    from benchmarks import head_phases  # a row per phase of the step: ms and modelled bytes
+
+    head_phases.section_rows(run, plan.classes[0], plan.batch, plan.dim, plan.autocast)
     if run.smoke:
         run.skip("largest class count, fused update", "on a GPU only (a CPU swaps, not fails)")
     else:
@@ -251,7 +254,8 @@ def _largest_head(run: SectionRun, head, plan: HeadPlan) -> None:
     if run.time_left() < 20:
         run.skip(what, "no time left in the section")
         return
-    case = head.Case("sharded", 1, 0, plan.batch, plan.dim, None, 1, 0, 1, "cuda",
+    # The logits recomputed in chunks: kept, they would take N x C of the memory searched.
+    case = head.Case("sharded-chunked", 1, 0, plan.batch, plan.dim, plan.chunk, 1, 0, 1, "cuda",
                      plan.autocast, "triton", True)  # fmt: skip
     start = int(0.85 * run.info["memory_bytes"] / (8 * plan.dim))
     deadline = time.monotonic() + run.time_left() - 8

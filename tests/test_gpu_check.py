@@ -274,6 +274,13 @@ def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
         assert row["status"] == "ok" and row["data"]["ms_per_step"] > 0, row
         assert row["data"]["case"]["kernel"] == ("torch" if label == "torch" else "triton")
     assert head["largest class count, fused update"]["status"] == "skipped"
+    # The traffic model's row per phase of the step (timed on a GPU only).
+    from recognition.heads.traffic import PHASES
+
+    for name in PHASES:
+        row = head[f"phase of triton + fused update, 512 classes: {name}"]
+        assert row["status"] == "ok" and row["data"]["ms"] is None, row
+        assert row["data"]["bytes_read"] > 0 and row["data"]["bytes_written"] > 0, row
     throughput = rows_of(report, "throughput")
     model_rate = throughput["model only, eager"]["data"]["images_per_s"]
     cpu = throughput["end to end, data.decode=cpu"]["data"]

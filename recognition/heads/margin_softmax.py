@@ -287,9 +287,7 @@ class ShardedMarginSoftmax(OptimizerHandOver, nn.Module):
         self.sampled_index: Tensor | None = None
         self._optimizer_param: list[Tensor] = [self.weight]  # see OptimizerHandOver
         self._fused: FusedSGD | None = None
-        # The Triton path's rounded rows and inverse norms between fused updates (derived
-        # state, never in a checkpoint: kept_rows.py).
-        self._kept_rows = KeptRows()
+        self._kept_rows = KeptRows()  # between fused updates, outside checkpoints
 
     # ---------------------------------------------------------------- the shard
 
@@ -319,13 +317,9 @@ class ShardedMarginSoftmax(OptimizerHandOver, nn.Module):
         self._sampler.sampling_step = value
 
     def extra_repr(self) -> str:
-        return (
-            f"num_classes={self.num_classes}, embedding_size={self.embedding_size}, "
-            f"class_start={self.class_start}, num_local={self.num_local}, "
-            f"world_size={self.world_size}, chunk_size={self.chunk_size}, "
-            f"sample_rate={self.sample_rate}, kernel={self.kernel}, "
-            f"label_smoothing={self.label_smoothing}"
-        )
+        names = ("num_classes", "embedding_size", "class_start", "num_local", "world_size",
+                 "chunk_size", "sample_rate", "kernel", "label_smoothing")  # fmt: skip
+        return ", ".join(f"{name}={getattr(self, name)}" for name in names)
 
     def _shard(self) -> ShardShape:
         return ShardShape(
