@@ -139,12 +139,10 @@ def case_reserve(num_classes: int) -> float:
     return CASE_RESERVE_S + CASE_RESERVE_PER_MILLION_S * num_classes / 1e6
 
 
-HEAD_VARIANTS = (  # most valuable first: the Triton kernel, torch, the fused update, and
-    # the fused backward that the GEMM backward replaced as the default (for the comparison)
-    ("triton", "sharded", False, "gemm"),
-    ("torch", "sharded-chunked", False, "gemm"),
-    ("triton + fused update", "sharded", True, "gemm"),
-    ("triton, fused backward", "sharded", False, "fused"),
+HEAD_VARIANTS = (  # most valuable first: the Triton kernel, torch, the fused update
+    ("triton", "sharded", False),
+    ("torch", "sharded-chunked", False),
+    ("triton + fused update", "sharded", True),
 )
 
 
@@ -155,10 +153,10 @@ def section_head(run: SectionRun) -> None:
     device = "cuda" if run.gpu else "cpu"
     torch_ms: dict[int, float] = {}
     cases = [(c, v) for c in plan.classes for v in HEAD_VARIANTS]
-    for index, (num_classes, (label, method, fused, backward)) in enumerate(cases):
+    for index, (num_classes, (label, method, fused)) in enumerate(cases):
         kernel = "torch" if label == "torch" else "triton"
         case = head.Case(method, 1, num_classes, plan.batch, plan.dim, plan.chunk, plan.steps,
-                         1, 1, device, plan.autocast, kernel, fused, backward)  # fmt: skip
+                         1, 1, device, plan.autocast, kernel, fused)  # fmt: skip
         what = f"{label}, {num_classes:,} classes"
         # What is left, less a share kept for the cases and the search after this one (the
         # first Triton case also times the kernels' tiles: tens of seconds, once).
@@ -172,6 +170,9 @@ def section_head(run: SectionRun) -> None:
             run.fail(what, first_line(result["error"]))
             continue
         _head_row(run, head, case, result, label, torch_ms)
+    from benchmarks import head_phases  # a row per phase of the step: ms and modelled bytes
+
+    head_phases.section_rows(run, plan.classes[0], plan.batch, plan.dim, plan.autocast)
     if run.smoke:
         run.skip("largest class count, fused update", "on a GPU only (a CPU swaps, not fails)")
     else:
@@ -213,7 +214,8 @@ def _largest_head(run: SectionRun, head, plan: HeadPlan) -> None:
     if run.time_left() < 20:
         run.skip(what, "no time left in the section")
         return
-    case = head.Case("sharded", 1, 0, plan.batch, plan.dim, None, 1, 0, 1, "cuda",
+    # The logits recomputed in chunks: kept, they would take N x C of the memory searched.
+    case = head.Case("sharded-chunked", 1, 0, plan.batch, plan.dim, plan.chunk, 1, 0, 1, "cuda",
                      plan.autocast, "triton", True)  # fmt: skip
     start = int(0.85 * run.info["memory_bytes"] / (8 * plan.dim))
     deadline = time.monotonic() + run.time_left() - 8

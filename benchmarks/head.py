@@ -41,8 +41,7 @@ it reports:
 
 `--kernel torch|triton` picks the sharded head's implementation (`head.kernel`; triton needs
 CUDA, or runs in Triton's interpreter on CPU for a tiny smoke size), `--fused-update` makes
-its backward apply the SGD step (`head.fused_update`, triton only), `--backward gemm|fused`
-which backward the Triton path runs (heads/kernels/tiles.py; gemm is the default). 'useful
+its backward apply the SGD step (`head.fused_update`, triton only). 'useful
 TFLOP/s' is 6 N D C_rank / step time (the forward and backward matmuls a step needs, whatever is
 recomputed) and '% mm' is that against a plain matmul of the same size as the head's, timed
 in the same process right after the steps: embeddings (N, D) times class rows (D, C_rank) in
@@ -310,10 +309,6 @@ def _parser() -> argparse.ArgumentParser:
         "--fused-update", action="store_true", help="the backward applies SGD (triton only)"
     )
     parser.add_argument(
-        "--backward", default="gemm", choices=["gemm", "fused"],
-        help="the Triton head's backward (triton only)",
-    )  # fmt: skip
-    parser.add_argument(
         "--max-classes-search", action="store_true", help="search the largest classes that fit"
     )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -334,7 +329,7 @@ def _cases(args: argparse.Namespace) -> list[Case]:
                 cases.append(
                     Case(method, world_size, num_classes, args.batch_size, args.embedding_size,
                          args.chunk_size, args.steps, args.warmup, args.threads, args.device,
-                         args.autocast, args.kernel, args.fused_update, args.backward)
+                         args.autocast, args.kernel, args.fused_update)
                 )  # fmt: skip
     return cases
 

@@ -3,11 +3,11 @@
     python -m benchmarks.head_kernel_resources                  # D = 128 256 512 1024, sm_90
     python -m benchmarks.head_kernel_resources --dims 512 --matmul-dtypes bfloat16 --json r.json
 
-Every kernel variant that the host wrappers of heads/kernels/ launch (forward; the fused
-backward's embedding gradient with atomics or deterministic and its weight gradient plain or
-with the fused SGD update, with and without momentum, Nesterov and the target rows' share;
-the GEMM backward's gradient of the logits and its row epilogue, plain or fused likewise;
-each with and without the partial-FC row index) is compiled ahead of time for the target GPU by
+Every kernel variant that the host wrappers of heads/kernels/ launch (the forward, keeping
+its logits or not; the backward's gradient of the logits, recomputed or from the kept ones,
+and its row epilogue, plain or with the fused SGD update - with and without momentum,
+Nesterov, the gate, the rows' inverse norms and rounded copy kept current - with and without
+the partial-FC row index) is compiled ahead of time for the target GPU by
 Triton's own compiler and the ptxas it ships, at the default tiles (`gpu_tiles`), with the
 arguments the wrappers would pass: the wrappers are run on meta tensors with the kernel
 launches recorded instead of made. For each variant it prints the dynamic shared memory
@@ -31,7 +31,7 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks import table
@@ -53,11 +53,10 @@ class Launch:
     @property
     def name(self) -> str:
         name = self.kernel.__name__.strip("_").removesuffix("_kernel")
-        flags = [k.lower() for k in ("HAS_INDEX", "ATOMIC", "FUSED", "HAS_MOMENTUM", "NESTEROV",
-                                     "HAS_EXTRA") if self.constexprs.get(k)]  # fmt: skip
-        if "ATOMIC" in self.constexprs and not self.constexprs["ATOMIC"]:
-            flags.append("deterministic")
-        if name == "forward":  # the weight's rows (fused backward) or a rounded chunk's
+        flags = [k.lower() for k in ("HAS_INDEX", "KEEP", "FUSED", "HAS_MOMENTUM", "NESTEROV",
+                                     "HAS_EXTRA", "HAS_GATE", "KEEP_NORMS", "KEEP_ROWS")
+                 if self.constexprs.get(k)]  # fmt: skip
+        if name == "forward":  # on a chunk's rows, rounded to the matmul dtype
             flags.append(f"{str(self.args[0].dtype).removeprefix('torch.')} rows")
         return " ".join([name, *flags])
 
@@ -99,11 +98,10 @@ class _Recorder:
 @contextlib.contextmanager
 def recorded_launches():
     """Within the block, the head's kernel launches are recorded into the list yielded."""
-    from recognition.heads.kernels import forward, fused_backward, gemm_backward
+    from recognition.heads.kernels import forward, gemm_backward
 
-    names = [(forward, "_forward_kernel"), (fused_backward, "_grad_embeddings_kernel"),
-             (fused_backward, "_grad_weight_kernel"), (gemm_backward, "_grad_logits_kernel"),
-             (gemm_backward, "_finish_kernel")]  # fmt: skip
+    names = [(forward, "_forward_kernel"), (gemm_backward, "_grad_logits_kernel"),
+             (gemm_backward, "_scale_kept_kernel"), (gemm_backward, "_finish_kernel")]  # fmt: skip
     originals = {(module, name): getattr(module, name) for module, name in names}
     launches: list[Launch] = []
     for (module, name), kernel in originals.items():
@@ -132,40 +130,39 @@ def launches_for(dim: int, weight_dtype, matmul: str, num_rows: int, num_sms: in
     target_pos = torch.empty(num_rows, dtype=torch.int64, **meta)
     row_max = torch.empty(num_rows, **meta)
     index = torch.empty(num_classes // 3, dtype=torch.int64, **meta)
-    target_rows = torch.empty(num_rows // 2, dtype=torch.int64, **meta)
-    target_grad = (target_rows, torch.empty(num_rows // 2, dim, **meta))
-    no_target_grad = (target_rows[:0], target_grad[1][:0])
+    target_grad = torch.empty(num_rows, dim, **meta)
     buffer = torch.empty(num_classes, dim, **meta)
+    gate = torch.empty((), dtype=torch.bool, **meta)
+    norms = torch.empty(num_classes, **meta)
+    rounded = torch.empty(num_classes, dim, dtype=matmul_dtype, **meta)
 
-    def sgd(momentum: float, nesterov: bool):
+    def sgd(momentum: float, nesterov: bool, step_ok=gate):
         buf = buffer if momentum else None
-        return kernels.SGDUpdate(0.1, momentum, 5e-4, nesterov, buf)
+        return kernels.SGDUpdate(0.1, momentum, 5e-4, nesterov, buf, step_ok)
 
-    updates = [(None, None), (sgd(0.0, False), target_grad), (sgd(0.9, False), target_grad),
-               (sgd(0.9, True), target_grad), (sgd(0.9, False), no_target_grad)]  # fmt: skip
-    deterministic = torch.are_deterministic_algorithms_enabled()
+    # (update, what it keeps of the rows): the plain gradient; the fused update as the
+    # training step makes it (gated, keeping the inverse norms, and the rounded rows with
+    # the logits kept), and ungated (a backward called without train_step).
+    updates = [(None, None), (sgd(0.0, False), (None, norms)),
+               (sgd(0.9, False), (rounded, norms)), (sgd(0.9, True), (rounded, norms)),
+               (sgd(0.9, False, None), (None, norms))]  # fmt: skip
     with recorded_launches() as launches:
-        try:
-            for row_index in (None, index):
-                num_taking_part = num_classes if row_index is None else row_index.numel()
-                inv_norm = torch.empty(num_taking_part, **meta)
-                common = (embeddings, weight, row_index, inv_norm, target_pos)
-                for backward, ordering in (("fused", (False, True)), ("gemm", (False,))):
-                    kernels.class_stats(
-                        *common, 64.0, matmul_dtype, replace(tiles, backward=backward)
-                    )
-                    for ordered in ordering:
-                        torch.use_deterministic_algorithms(ordered)
-                        for update, extra in updates:
-                            kernels.class_stats_backward(
-                                *common, row_max, row_max, 64.0, matmul_dtype,
-                                replace(tiles, backward=backward), target_grad=extra, sgd=update,
-                            )  # fmt: skip
-        finally:
-            torch.use_deterministic_algorithms(deterministic)
+        for row_index in (None, index):
+            num_taking_part = num_classes if row_index is None else row_index.numel()
+            inv_norm = torch.empty(num_taking_part, **meta)
+            common = (embeddings, weight, row_index, inv_norm, target_pos)
+            for keep in (False, True):  # the logits recomputed in the backward, or kept
+                _, _, kept = kernels.class_stats(*common, 64.0, matmul_dtype, tiles, keep=keep)
+                for update, kept_rows in updates:
+                    kernels.class_stats_backward(
+                        *common, row_max, row_max, 64.0, matmul_dtype, tiles,
+                        target_grad=target_grad if update else None, sgd=update, kept=kept,
+                        kept_rows=kept_rows,
+                    )  # fmt: skip
     distinct: dict[str, Launch] = {}
     for launch in launches:
-        if matmul == "tf32":  # what the wrappers choose on a GPU with TF32 allowed
+        if matmul == "tf32" and "INPUT_PRECISION" in launch.constexprs:  # as on a GPU
+            # with TF32 allowed
             launch.constexprs["INPUT_PRECISION"] = "tf32"
         distinct.setdefault(launch.name, launch)
     return list(distinct.values())
@@ -266,6 +263,10 @@ def _measure(dims, weight_dtypes, matmul_dtypes, capability, num_rows, num_sms, 
     import torch
 
     results = []
+    # A launch compiled already (the same kernel, signature and constexprs under another
+    # operand type: the row epilogue does not depend on it) is a hit in Triton's cache,
+    # where ptxas does not run: its first report stands.
+    compiled: dict[str, dict] = {}
     for dim in dims:
         for weight_name in weight_dtypes:
             for matmul_name in matmul_dtypes:
@@ -275,17 +276,19 @@ def _measure(dims, weight_dtypes, matmul_dtypes, capability, num_rows, num_sms, 
                         continue
                     c = launch.constexprs
                     # The row epilogue of the GEMM backward holds (rows, D) tiles, no K-loop.
-                    shape = [c["BLOCK_C"], c.get("BLOCK_N", c["D_PAD"]), c.get("BLOCK_D")]
+                    shape = [c["BLOCK_C"], c.get("BLOCK_N", c.get("D_PAD")), c.get("BLOCK_D")]
                     tiles = (
                         f"{'x'.join(str(v) for v in shape if v is not None)} "
                         f"w{launch.num_warps} s{launch.num_stages}"
                     )
-                    if "EPILOGUE_SPLITS" in c:
-                        tiles += f" e{c['EPILOGUE_SPLITS']}"
+                    key = f"{launch.kernel.__name__} {_specialise(launch)} {launch.num_warps} "
+                    key += str(launch.num_stages)
+                    if key not in compiled:
+                        compiled[key] = compile_launch(launch, capability)
                     results.append(
                         Resources(
                             dim, DTYPES[weight_name], DTYPES[matmul_name], launch.name, tiles,
-                            **compile_launch(launch, capability),
+                            **compiled[key],
                         )
                     )  # fmt: skip
     return results

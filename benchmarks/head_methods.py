@@ -46,7 +46,6 @@ class Case:
     autocast: str | None
     kernel: str = "torch"
     fused_update: bool = False
-    backward: str = "gemm"  # the Triton head's backward (heads/kernels/tiles.py)
 
 
 def build_step(case: Case, rank: int, device: torch.device) -> tuple[Step, int]:
@@ -129,9 +128,7 @@ def _sharded(case: Case, rank: int, local: _LocalBatch) -> tuple[Step, int]:
     """ShardedMarginSoftmax on this rank: the whole shard at once (`sharded`) or
     --chunk-size classes at a time (`sharded-chunked`)."""
     from recognition.heads import ShardedMarginSoftmax
-    from recognition.heads.kernels import margin_softmax_triton as kernels
 
-    kernels.use_backward(case.backward)  # a case runs in a process of its own
     chunk = case.chunk_size if case.method == "sharded-chunked" else None
     # Made and drawn on the device: 10M classes drawn on one CPU thread and copied over
     # would take about a minute per case (and the largest-class search, every try).

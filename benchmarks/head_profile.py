@@ -2,7 +2,7 @@
 
     python -m benchmarks.head_profile --device cuda --classes 1000000 --kernel triton
     python -m benchmarks.head_profile --device cuda --kernel triton torch --fused-update \
-        --backward gemm fused --json profile.json
+        --json profile.json
 
 One process, one GPU: the sharded head at W = 1 (benchmarks/head_methods.py's `sharded`
 step, or `sharded-chunked` for the torch path with --chunk-size), warmed up, then --steps
@@ -80,7 +80,6 @@ def profile_case(case: Case, top: int) -> dict:
 def print_profile(result: dict) -> None:
     case = result["case"]
     title = case["kernel"]
-    title += f" ({case['backward']} backward)" if case["kernel"] == "triton" else ""
     title += " + fused update" if case["fused_update"] else ""
     print(f"\n## {title}, {case['num_classes']:,} classes: {result['step_ms']:.1f} ms/step "
           f"(kernels {result['kernels_ms']:.1f} ms); floor {result['floor_ms']:.2f} ms: 3 "
@@ -102,29 +101,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-size", type=int, default=65536, help="the torch path's chunk")
     parser.add_argument("--kernel", nargs="+", default=["triton", "torch"])
     parser.add_argument("--fused-update", action="store_true", help="also triton + fused update")
-    parser.add_argument("--backward", nargs="+", default=["gemm"], choices=["gemm", "fused"],
-                        help="the Triton path's backwards to profile")  # fmt: skip
     parser.add_argument("--autocast", default="bfloat16", help="'none' for float32")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    variants = []
-    for kernel in args.kernel:
-        for backward in args.backward if kernel == "triton" else ["gemm"]:
-            variants.append((kernel, False, backward))
+    variants = [(kernel, False) for kernel in args.kernel]
     if args.fused_update:
-        variants += [("triton", True, backward) for backward in args.backward]
+        variants.append(("triton", True))
     results = []
-    for kernel, fused, backward in variants:
+    for kernel, fused in variants:
         case = Case(
             method="sharded-chunked" if kernel == "torch" else "sharded", world_size=1,
             num_classes=args.classes, batch_size=args.batch_size,
             embedding_size=args.embedding_size, chunk_size=args.chunk_size, steps=args.steps,
             warmup=args.warmup, threads=1, device=args.device,
             autocast=None if args.autocast == "none" else args.autocast, kernel=kernel,
-            fused_update=fused, backward=backward,
+            fused_update=fused,
         )  # fmt: skip
         result = profile_case(case, args.top)
         print_profile(result)

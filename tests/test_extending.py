@@ -149,7 +149,7 @@ def test_an_evaluation_protocol_takes_the_pages_three_edits(tmp_path):
     eval_py = copy / "recognition" / "config" / "eval.py"
     (field,) = blocks("# in EvalTarget (recognition/config/eval.py), after reid")
     text = eval_py.read_text()
-    after = text.index('\n    images: str | None = None\n')  # the field after reid's
+    after = text.index("\n    images: str | None = None\n")  # the field after reid's
     eval_py.write_text(text[:after] + "\n" + field.rstrip("\n") + text[after:])
     registry_py = copy / "recognition" / "registry.py"
     text = registry_py.read_text()

@@ -1,7 +1,7 @@
 """The head's Triton kernels compiled ahead of time for an H100 (sm_90), without a GPU.
 
 benchmarks/head_kernel_resources.py compiles the launches that the host wrappers of
-heads/kernels/ make (both backwards), with Triton's own compiler and the ptxas it
+heads/kernels/ make, with Triton's own compiler and the ptxas it
 ships, and reads what ptxas reports. Here: D = 512, fp32 weights, bf16 operands (the
 head benchmark's settings) at the default tiles. Every kernel must fit the H100's shared
 memory per block (232,448 bytes; more fails to launch with OutOfResources) and spill no
@@ -23,24 +23,17 @@ from benchmarks.head_kernel_resources import H100_SHARED_BYTES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# Every launch the wrappers make: each kernel with and without the partial-FC row index
-# (the GEMM backward's gradient of the logits reads a chunk's gathered rows); the fused
-# backward's embedding gradient reduced with atomics or deterministically; its weight
-# gradient, and the GEMM backward's row epilogue, plain or with the fused update (momentum,
-# Nesterov, the target rows' share).
-UPDATES = ["", " fused has_extra", " fused has_momentum", " fused has_momentum has_extra",
-           " fused has_momentum nesterov has_extra"]  # fmt: skip
-VARIANTS = [
-    name
-    for index in ("", " has_index")
-    for name in [
-        f"forward{index} float32 rows",
-        f"grad_embeddings{index} atomic",
-        f"grad_embeddings{index} deterministic",
-        *(f"grad_weight{index}{update}" for update in UPDATES),
-        *(f"finish{index}{update}" for update in UPDATES),
-    ]
-] + ["grad_logits", "forward bfloat16 rows"]  # on each chunk's rows, rounded and gathered
+# Every launch the wrappers make: the backward's row epilogue with and without the
+# partial-FC row index, plain or with the fused update (momentum, Nesterov, the target rows'
+# share, the training step's gate, the rows' inverse norms and rounded copy kept current);
+# the forward, keeping its logits or not, and the gradient of the logits, recomputed or from
+# the kept ones, read each chunk's rows rounded (and gathered) beforehand: one variant each.
+UPDATES = ["", " fused has_extra has_gate keep_norms",
+           " fused has_momentum has_extra has_gate keep_norms keep_rows",
+           " fused has_momentum nesterov has_extra has_gate keep_norms keep_rows",
+           " fused has_momentum has_extra keep_norms"]  # fmt: skip
+VARIANTS = [f"finish{index}{update}" for index in ("", " has_index") for update in UPDATES]
+VARIANTS += ["forward bfloat16 rows", "grad_logits", "forward keep bfloat16 rows", "scale_kept"]
 
 
 def test_default_tiles_compile_for_h100_within_its_limits(tmp_path):

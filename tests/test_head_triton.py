@@ -19,7 +19,6 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import dataclasses  # noqa: E402
 import logging  # noqa: E402
 
 import pytest  # noqa: E402
@@ -39,33 +38,28 @@ from test_head import (  # noqa: E402
 from recognition.config import ConfigError, config_from_dict  # noqa: E402
 from recognition.heads import ShardedMarginSoftmax, triton_stats  # noqa: E402
 from recognition.heads import margin_softmax as head_module  # noqa: E402
-from recognition.heads.kernels import forward, fused_backward, gemm_backward  # noqa: E402
-from recognition.heads.kernels import tiles as tiles_module  # noqa: E402
+from recognition.heads.kernels import forward, gemm_backward  # noqa: E402
 from recognition.heads.margins import ArcFace, CosFace  # noqa: E402
 
 EMBEDDING_SIZE = 24  # not a power of two: the kernels pad D to 32
 MARGINS = {case[0]: case for case in MARGIN_CASES}
 
 
-def use_backward(monkeypatch, name: str, tiles=None) -> None:
-    """The heads made after this run backward `name` ("gemm"; "fused"), on `tiles` (a
-    function as default_tiles) or the interpreter's, the forward and the GEMM backward in
-    chunks of one tile of classes, so that every test crosses chunks."""
+def small_chunks(monkeypatch, tiles=None) -> None:
+    """The heads made after this run on `tiles` (a function as default_tiles) or the
+    interpreter's, the forward and the backward in chunks of one tile of classes, so that
+    every test crosses chunks."""
     kernels = triton_stats.triton_kernels()
-    monkeypatch.setattr(tiles_module, "_BACKWARD", [name])
     if tiles is not None:
-        monkeypatch.setattr(
-            kernels, "default_tiles", lambda *args: dataclasses.replace(tiles(*args), backward=name)
-        )
+        monkeypatch.setattr(kernels, "default_tiles", tiles)
     monkeypatch.setattr(gemm_backward, "CHUNK_LOGITS", 1)
     monkeypatch.setattr(forward, "CHUNK_ROW_VALUES", 1)
 
 
-@pytest.fixture(params=["gemm", "fused"])
-def backward(request, monkeypatch) -> str:
-    """Each test that takes it runs with either backward (see use_backward)."""
-    use_backward(monkeypatch, request.param)
-    return request.param
+@pytest.fixture
+def chunked(monkeypatch) -> None:
+    """The tests that take it run in chunks of one tile (see small_chunks)."""
+    small_chunks(monkeypatch)
 
 
 def triton_and_torch_heads(num_classes, margin, **kwargs):
@@ -84,22 +78,25 @@ def make_labels_with_duplicates(num_classes, batch_size, seed):
 
 
 # Shapes that are not multiples of the tiles (N = 1, 7, 33; C = 1, 129, 1000), every margin at
-# one shape, two margins at the others (the interpreter is slow).
-SHAPE_CASES = [(7, 129, name) for name in MARGINS] + [
-    (1, 1, "arcface"),
-    (33, 1000, "arcface"),
-    (33, 1000, "sphereface"),
-    (1, 129, "cosface"),
+# one shape, two margins at the others (the interpreter is slow); the logits kept for the
+# backward (chunk size None) and, at three shapes, recomputed (a chunk size).
+SHAPE_CASES = [(7, 129, name, None) for name in MARGINS] + [
+    (1, 1, "arcface", None),
+    (33, 1000, "arcface", None),
+    (33, 1000, "sphereface", 256),
+    (1, 129, "cosface", None),
+    (1, 1, "arcface", 7),
+    (7, 129, "combined", 7),
 ]
 
 
-@pytest.mark.parametrize(("batch_size", "num_classes", "margin_id"), SHAPE_CASES)
+@pytest.mark.parametrize(("batch_size", "num_classes", "margin_id", "chunk_size"), SHAPE_CASES)
 def test_fp32_matches_float64_reference_and_torch_path(
-    batch_size, num_classes, margin_id, backward
+    batch_size, num_classes, margin_id, chunk_size, chunked
 ):
     _, make_margin, scale, psi = MARGINS[margin_id]
     torch.manual_seed(batch_size * 1000 + num_classes)
-    fast, slow = triton_and_torch_heads(num_classes, make_margin())
+    fast, slow = triton_and_torch_heads(num_classes, make_margin(), chunk_size=chunk_size)
     embeddings, labels = make_labels_with_duplicates(num_classes, batch_size, seed=num_classes)
     loss, grad_e, grad_w = run_head(fast, embeddings, labels)
     ref_loss, ref_grad_e, ref_grad_w, ref_accuracy = reference_loss(
@@ -114,20 +111,6 @@ def test_fp32_matches_float64_reference_and_torch_path(
     assert_close_rel(loss, torch_loss.double(), 1e-6)
     assert_close_rel(grad_e, torch_grad_e.double(), 1e-5)
     assert_close_rel(grad_w, torch_grad_w.double(), 1e-5)
-
-
-class RecordedKernel:
-    """Wraps a kernel of the module: records each launch's constexpr ATOMIC, then launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.atomic = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.atomic.append(kwargs["ATOMIC"])
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
 
 
 def free_then_deterministic(runs: int):
@@ -145,29 +128,8 @@ def free_then_deterministic(runs: int):
     return head, embeddings, labels, free, ordered
 
 
-def test_deterministic_mode_reduces_without_atomics_and_repeats_bitwise(monkeypatch):
-    # The fused backward's embedding gradient: atomics, or a fixed-order sum in deterministic
-    # mode. The interpreter runs programs one after another, so atomics give the same bits
-    # too: which reduction ran is told by the kernel's ATOMIC constexpr, recorded at launch.
-    use_backward(monkeypatch, "fused")
-    recorded = RecordedKernel(fused_backward._grad_embeddings_kernel)
-    monkeypatch.setattr(fused_backward, "_grad_embeddings_kernel", recorded)
-    head, embeddings, labels, atomic, (first, second) = free_then_deterministic(runs=2)
-    assert recorded.atomic == [True, False, False]
-    for a, b in zip(first, second, strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(first, atomic, strict=True):
-        assert_close_rel(a, b.double(), 1e-6)
-    ref_loss, ref_grad_e, _, _ = reference_loss(
-        embeddings, head.weight, labels, 16.0, lambda t: torch.cos(t) - 0.4
-    )
-    assert_close_rel(first[0], ref_loss, 1e-5)
-    assert_close_rel(first[1], ref_grad_e, 1e-5)
-
-
-def test_gemm_backward_repeats_bitwise_in_deterministic_mode(monkeypatch):
+def test_backward_repeats_bitwise_in_deterministic_mode(chunked):
     # No atomics: the chunks are summed in order, with or without deterministic mode.
-    use_backward(monkeypatch, "gemm")
     _, _, _, free, (first,) = free_then_deterministic(runs=1)
     for a, b in zip(first, free, strict=True):
         assert torch.equal(a, b)
@@ -175,17 +137,22 @@ def test_gemm_backward_repeats_bitwise_in_deterministic_mode(monkeypatch):
 
 def gpu_shaped_tiles(*args):
     """Tiles shaped as on a GPU, small enough for EMBEDDING_SIZE: the dimension summed in two
-    BLOCK_D steps (the second partly padding), the fused weight-gradient epilogue in pieces
-    (4 asked for; 2 made, as a piece is at least 16 wide)."""
+    BLOCK_D steps (the second partly padding), several class splits; the forward keeping its
+    logits on wider class tiles than the recomputation's (the backward's chunks follow its
+    tiles)."""
     kernels = triton_stats.triton_kernels()
     tiles = kernels.KernelTiles(block_c=16, block_n=16, block_d=16, num_warps=4, num_stages=2)
-    return kernels.TileConfig(tiles, tiles, tiles, target_programs=6, epilogue_splits=4)
+    keeping = kernels.KernelTiles(block_c=32, block_n=16, block_d=16, num_warps=4, num_stages=2)
+    return kernels.TileConfig(tiles, target_programs=6, forward_keep=keeping)
 
 
-@pytest.mark.parametrize("name", ["gemm", "fused"])
 @pytest.mark.parametrize("sample_rate", [1.0, 0.3])
-def test_gpu_shaped_tiles_match_torch_path_and_fused_update(sample_rate, name, monkeypatch):
-    use_backward(monkeypatch, name, gpu_shaped_tiles)
+def test_gpu_shaped_tiles_match_torch_path_and_fused_update(sample_rate, monkeypatch):
+    small_chunks(monkeypatch, gpu_shaped_tiles)
+    # Chunks of at most 48 classes, three recomputation tiles: the kept logits' tiles of 32
+    # must not straddle a chunk's start.
+    monkeypatch.setattr(gemm_backward, "CHUNK_LOGITS", 33 * 48)
+    monkeypatch.setattr(forward, "CHUNK_ROW_VALUES", EMBEDDING_SIZE * 48)
     torch.manual_seed(13)
     fast, slow = triton_and_torch_heads(129, ArcFace(s=16.0), sample_rate=sample_rate, seed=2)
     embeddings, labels = make_labels_with_duplicates(129, 33, seed=14)
@@ -194,7 +161,7 @@ def test_gpu_shaped_tiles_match_torch_path_and_fused_update(sample_rate, name, m
     assert_close_rel(loss, ref_loss.double(), 1e-6)
     assert_close_rel(grad_e, ref_grad_e.double(), 1e-5)
     assert_close_rel(grad_w, ref_grad_w.double(), 1e-5)
-    # The fused update's epilogue, in pieces: one step against torch.optim.SGD.
+    # The fused update's epilogue: one step against torch.optim.SGD.
     settings = {"lr": 0.5, "momentum": 0.9, "weight_decay": 5e-4, "nesterov": True}
     fast_opt = torch.optim.SGD(fast.parameters(), **settings)
     slow_opt = torch.optim.SGD(slow.parameters(), **settings)
@@ -208,21 +175,19 @@ def test_gpu_shaped_tiles_match_torch_path_and_fused_update(sample_rate, name, m
 def test_tile_config_rejects_what_the_compiler_would_refuse():
     kernels = triton_stats.triton_kernels()
     good = kernels.KernelTiles(block_c=32, block_n=64, block_d=64, num_warps=8, num_stages=2)
-    kernels.TileConfig(good, good, good)
-    with pytest.raises(ValueError, match="use_backward: 'fast' is not one of"):
-        kernels.use_backward("fast")
+    kernels.TileConfig(good)
     bad = [
-        ({"block_c": 48}, "TileConfig.grad_weight.block_c: must be a power of two >= 16"),
-        ({"block_d": 8}, "TileConfig.grad_weight.block_d: must be a power of two >= 16"),
-        ({"num_warps": 3}, "TileConfig.grad_weight.num_warps"),
-        ({"num_stages": 0}, "TileConfig.grad_weight.num_stages"),
+        ({"block_c": 48}, "TileConfig.forward.block_c: must be a power of two >= 16"),
+        ({"block_d": 8}, "TileConfig.forward.block_d: must be a power of two >= 16"),
+        ({"num_warps": 3}, "TileConfig.forward.num_warps"),
+        ({"num_stages": 0}, "TileConfig.forward.num_stages"),
     ]
     for change, message in bad:
         tiles = kernels.KernelTiles(**{**good.__dict__, **change})
         with pytest.raises(ValueError, match=message):
-            kernels.TileConfig(good, good, tiles)
-    with pytest.raises(ValueError, match="TileConfig.epilogue_splits"):
-        kernels.TileConfig(good, good, good, epilogue_splits=3)
+            kernels.TileConfig(tiles)
+    with pytest.raises(ValueError, match="TileConfig.target_programs"):
+        kernels.TileConfig(good, target_programs=-1)
     for dim in (24, 128, 256, 512, 1024, 4096):  # every GPU default passes its own check
         for operands in kernels.OPERAND_KINDS:
             kernels.gpu_tiles(dim, 132, operands).check()
@@ -230,25 +195,71 @@ def test_tile_config_rejects_what_the_compiler_would_refuse():
         kernels.gpu_tiles(512, 132, "fp8")
 
 
-def test_chunk_size_is_accepted_and_changes_nothing(backward):
-    # The kernels never keep an (N, C) tensor: chunk_size has nothing left to bound.
+def test_kept_logits_and_recomputed_logits_agree(chunked, monkeypatch):
+    # head.chunk_size None keeps the forward's exponentials for the backward, which reads
+    # them (no recomputation kernel runs); a chunk size recomputes them. The same function:
+    # fp32 operands agree to 1e-6 of the largest entry (the kept ones are rescaled from
+    # their tile's running max, the recomputed ones shifted by the final max at once).
+    launched = {"recomputed": 0, "kept": 0}
+    for name, key in (("_grad_logits_kernel", "recomputed"), ("_scale_kept_kernel", "kept")):
+        kernel = getattr(gemm_backward, name)
+        counted = CountedKernel(kernel, launched, key)
+        monkeypatch.setattr(gemm_backward, name, counted)
     torch.manual_seed(5)
-    head = ShardedMarginSoftmax(129, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
-    chunked = ShardedMarginSoftmax(
+    kept = ShardedMarginSoftmax(129, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
+    recomputed = ShardedMarginSoftmax(
         129, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton", chunk_size=7
     )
-    chunked.load_state_dict(head.state_dict())
+    recomputed.load_state_dict(kept.state_dict())
     embeddings, labels = make_labels_with_duplicates(129, 7, seed=6)
-    for a, b in zip(
-        run_head(head, embeddings, labels), run_head(chunked, embeddings, labels), strict=True
-    ):
-        assert torch.equal(a, b)
+    first = run_head(kept, embeddings, labels)
+    assert launched == {"recomputed": 0, "kept": 2}  # two chunks of one tile
+    second = run_head(recomputed, embeddings, labels)
+    assert launched == {"recomputed": 2, "kept": 2}
+    for a, b in zip(first, second, strict=True):
+        assert_close_rel(a, b.double(), 1e-6)
 
 
+def test_kept_logits_stay_within_their_tensors(monkeypatch):
+    # The forward's last class split may run past the chunk's tiles (10 tiles in splits of
+    # 3 here): those tiles store nothing. Guard values after each kept tensor must survive.
+    guards = []
+
+    def guarded(probabilities, tile_shift, block_c):
+        extended = []
+        for tensor in (probabilities, tile_shift):
+            flat = torch.full((tensor.numel() + 4096,), float("nan"), dtype=tensor.dtype)
+            guards.append((flat, tensor.numel()))
+            extended.append(flat[: tensor.numel()].view(tensor.shape))
+        return kept_type(*extended, block_c)
+
+    kept_type = forward.KeptLogits
+    monkeypatch.setattr(forward, "KeptLogits", guarded)
+    torch.manual_seed(8)
+    head = ShardedMarginSoftmax(1200, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
+    embeddings, labels = make_labels_with_duplicates(1200, 7, seed=8)
+    run_head(head, embeddings, labels)
+    assert len(guards) == 2
+    for flat, used in guards:
+        assert torch.isnan(flat[used:]).all()
+
+
+class CountedKernel:
+    """A kernel whose launches are counted in `counts[key]`."""
+
+    def __init__(self, kernel, counts, key):
+        self.kernel, self.counts, self.key = kernel, counts, key
+
+    def __getitem__(self, grid):
+        self.counts[self.key] += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("chunk_size", [None, 64], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("half_weight", [False, True], ids=["autocast", "bf16_weight"])
-def test_bf16_operands_match_torch_path(half_weight, backward):
+def test_bf16_operands_match_torch_path(half_weight, chunk_size, chunked):
     torch.manual_seed(7)
-    fast, slow = triton_and_torch_heads(129, CosFace(s=16.0))
+    fast, slow = triton_and_torch_heads(129, CosFace(s=16.0), chunk_size=chunk_size)
     embeddings, labels = make_labels_with_duplicates(129, 33, seed=8)
     results = []
     for head in (fast, slow):
@@ -270,7 +281,7 @@ def test_bf16_operands_match_torch_path(half_weight, backward):
     assert abs(loss.item() - exact.item()) < 0.02 * exact.item()
 
 
-def test_partial_fc_matches_restricted_reference_and_torch_path(backward):
+def test_partial_fc_matches_restricted_reference_and_torch_path(chunked):
     torch.manual_seed(9)
     fast, slow = triton_and_torch_heads(300, ArcFace(s=16.0), sample_rate=0.3, seed=4)
     embeddings, labels = make_labels_with_duplicates(300, 7, seed=10)
@@ -297,7 +308,7 @@ def test_partial_fc_matches_restricted_reference_and_torch_path(backward):
     ("sample_rate", "nesterov", "momentum"),
     [(1.0, False, 0.9), (1.0, True, 0.9), (0.3, False, 0.9), (1.0, False, 0.0)],
 )
-def test_fused_update_matches_torch_sgd_over_steps(sample_rate, nesterov, momentum, backward):
+def test_fused_update_matches_torch_sgd_over_steps(sample_rate, nesterov, momentum, chunked):
     torch.manual_seed(11)
     fast, slow = triton_and_torch_heads(150, ArcFace(s=16.0), sample_rate=sample_rate, seed=3)
     settings = {"momentum": momentum, "weight_decay": 5e-4, "nesterov": nesterov}
@@ -345,13 +356,78 @@ def test_fused_update_matches_torch_sgd_over_steps(sample_rate, nesterov, moment
     }
 
 
-def test_train_step_checks_the_loss_before_a_fused_update_steps_the_rows():
-    """The fused update steps the class rows inside backward, where the device-side mask of
-    a skipped step cannot reach: train_step reads the loss on the host first (the one sync
-    this mode keeps) and runs no backward for a NaN loss, so no row and no weight moves."""
+@pytest.mark.parametrize("sample_rate", [1.0, 0.5])
+def test_the_fused_update_keeps_the_rounded_rows_and_norms_current(sample_rate, chunked):
+    """With the fused update (and the logits kept, chunk size None) the head keeps its rows
+    in the matmul dtype and their inverse norms between steps, and the update's epilogue
+    writes both for the rows it steps: after each step they are what the fp32 rows give,
+    and no forward made them again. A checkpoint does not hold them, and after
+    load_state_dict they are made from the rows loaded."""
+    torch.manual_seed(17)
+    head = ShardedMarginSoftmax(
+        300, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton", sample_rate=sample_rate, seed=3
+    )
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.5, momentum=0.9, weight_decay=5e-4)
+    head.attach_fused_update(optimizer)
+    kept, made = head._kept_rows, []
+    for step in range(3):
+        embeddings, labels = make_labels_with_duplicates(300, 7, seed=30 + step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            head(embeddings, labels).backward()
+        optimizer.step()
+        made.append((kept.rounded, kept.inv_norm))
+        weight = head.weight.detach().double()
+        # bf16 within one step of the fp32 rows (the interpreter truncates, torch rounds to
+        # nearest), the inverse norms to fp32's precision.
+        assert ((kept.rounded.double() - weight).abs() <= 2**-7 * weight.abs()).all(), step
+        expected = 1 / torch.linalg.vector_norm(weight, dim=1)
+        assert_close_rel(kept.inv_norm, expected, 1e-6)
+    assert all(a is made[0][0] and b is made[0][1] for a, b in made)  # kept, never remade
+    assert set(head.state_dict()) == {
+        "weight",
+        "_extra_state",
+        *(f"margin.{k}" for k in head.margin.state_dict()),
+    }
+    fresh = ShardedMarginSoftmax(  # the rows as they started, the same sample
+        300, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton", sample_rate=sample_rate, seed=3
+    )
+    head.load_state_dict(fresh.state_dict())
+    embeddings, labels = make_labels_with_duplicates(300, 7, seed=40)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # training forwards: the kept rows
+        assert torch.equal(head(embeddings, labels), fresh(embeddings, labels))
+    assert kept.rounded is not made[0][0]
+
+
+class PausedKernel:
+    """A kernel launched with `watcher` paused: the interpreter reads its arguments on the
+    host (copies into numpy), which a GPU launch does not."""
+
+    def __init__(self, kernel, watcher):
+        self.kernel, self.watcher = kernel, watcher
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            with self.watcher.watch(False):
+                return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_a_fused_update_step_syncs_nothing_and_a_nan_loss_moves_nothing(monkeypatch):
+    """train_step with the fused update, watched by test_host_sync's SyncWatcher (every value
+    read on the host, every op of a data-dependent size; the kernel launches themselves
+    apart): the target rows' share is summed per row on the device (a scatter, not
+    torch.unique), and the loss's finiteness gates the update on the device, so a NaN loss
+    still runs backward and no row, momentum or weight moves."""
+    from test_host_sync import SyncWatcher, assert_no_syncs
+
     from recognition.precision import Precision
     from recognition.training import train_step
 
+    watcher = SyncWatcher()
+    for module in (forward, gemm_backward):
+        for name in [n for n in dir(module) if n.endswith("_kernel")]:
+            monkeypatch.setattr(module, name, PausedKernel(getattr(module, name), watcher))
     torch.manual_seed(5)
     backbone = torch.nn.Linear(8, EMBEDDING_SIZE)
     head = ShardedMarginSoftmax(40, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
@@ -361,17 +437,29 @@ def test_train_step_checks_the_loss_before_a_fused_update_steps_the_rows():
     optimizer = torch.optim.SGD(params, lr=0.5, momentum=0.9, fused=True)
     head.attach_fused_update(optimizer)
     assert head.updates_in_backward
-    images, labels = torch.randn(6, 8), torch.randint(0, 40, (6,))
+    images = torch.randn(6, 8)
+    labels = torch.tensor([3, 3, 7, 11, 3, 39])  # a class three times: one summed share
+    train_step(backbone, head, [(images, labels)], optimizer, precision, None)  # the state
     before = [p.detach().clone() for p in params]
-    result = train_step(
-        backbone, head, [(images * float("nan"), labels)], optimizer, precision, None
-    )
-    assert not result.finite and not result.stepped
-    for old, new in zip(before, params, strict=True):
-        assert torch.equal(old, new)
-    result = train_step(backbone, head, [(images, labels)], optimizer, precision, None)
-    assert result.finite and result.stepped
-    assert not torch.equal(before[-1], head.weight) and torch.isfinite(head.weight).all()
+    momentum = optimizer.state[head.weight]["momentum_buffer"].clone()
+    with watcher.installed(), watcher.watch(True):
+        nan = train_step(
+            backbone, head, [(images * float("nan"), labels)], optimizer, precision, None
+        )
+        result = train_step(backbone, head, [(images, labels)], optimizer, precision, None)
+    assert_no_syncs(watcher)
+    assert not nan.finite and not nan.stepped and result.finite and result.stepped
+    for old, new in zip(before[:-1], params[:-1], strict=True):  # the backbone stepped once
+        assert not torch.equal(old, new)
+    # The rows moved once, by the finite step: as torch.optim.SGD moves them from `before`.
+    reference = ShardedMarginSoftmax(40, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="torch")
+    with torch.no_grad():
+        reference.weight.copy_(before[-1])
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    reference_optimizer.state[reference.weight]["momentum_buffer"] = momentum
+    reference(torch.nn.functional.linear(images, *before[:-1]), labels).backward()
+    reference_optimizer.step()
+    assert_moved_alike(head, reference, before[-1])
 
 
 def test_fused_update_refuses_what_it_cannot_honour():
@@ -514,15 +602,19 @@ def test_triton_head_on_gloo_ranks_matches_single_process_reference(world_size, 
     hd.assert_checks_pass_on_ranks(world_size, tmp_path, (check_triton_ranks,))
 
 
-def test_one_chunk_of_rounded_rows_at_a_time(monkeypatch):
-    # The rounded rows exist a chunk at a time in the forward and in the GEMM backward: the
-    # first GPU run of this path held every chunk of the forward at once (a bf16 copy of
-    # the shard, 9.6 GiB more at 10M classes).
+@pytest.mark.parametrize("chunk_size", [None, 64], ids=["kept", "recomputed"])
+def test_rows_are_rounded_once_a_step_or_one_chunk_at_a_time(chunk_size, monkeypatch):
+    # With a chunk size the rounded rows exist a chunk at a time in the forward and in the
+    # backward: the first GPU run of this path held every chunk of the forward at once (a
+    # bf16 copy of the shard, 9.6 GiB more at 10M classes). Without one (the logits kept),
+    # the rows are rounded once for the whole step: no second pass in the backward.
     import weakref
 
-    use_backward(monkeypatch, "gemm")
+    from recognition.heads.kernels import host
+
+    small_chunks(monkeypatch)
     made, most_alive = [], [0]
-    original = forward.chunk_rows
+    original = host.chunk_rows
 
     def counted(*args):
         most_alive[0] = max(most_alive[0], sum(ref() is not None for ref in made))
@@ -530,17 +622,21 @@ def test_one_chunk_of_rounded_rows_at_a_time(monkeypatch):
         made.append(weakref.ref(rows))
         return rows
 
-    monkeypatch.setattr(forward, "chunk_rows", counted)
-    monkeypatch.setattr(gemm_backward, "chunk_rows", counted)
+    monkeypatch.setattr(host, "chunk_rows", counted)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # rounded rows are copies
-        head = ShardedMarginSoftmax(1000, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
+        head = ShardedMarginSoftmax(
+            1000, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton", chunk_size=chunk_size
+        )
         embeddings, labels = make_labels_with_duplicates(1000, 7, seed=12)
         run_head(head, embeddings, labels)
-    assert len(made) == 2 * 8  # chunks of one 128-class tile, forward and backward
-    assert most_alive[0] <= 1  # the previous chunk, still named by the loop, at most
+    if chunk_size is None:
+        assert len(made) == 1  # the step's rows, rounded once
+    else:
+        assert len(made) == 2 * 8  # chunks of one 128-class tile, forward and backward
+        assert most_alive[0] <= 1  # the previous chunk, still named by the loop, at most
 
 
-def test_label_smoothing_on_the_triton_path(backward):
+def test_label_smoothing_on_the_triton_path(chunked):
     """Label smoothing's term is the same on either kernel: the Triton head against the
     full-logit F.cross_entropy(label_smoothing=0.1) in float64."""
     from test_reid_losses import smoothed_reference

@@ -245,54 +245,43 @@ def tiling(monkeypatch):
     return tile_tuning
 
 
-def per_thread(kernel, d_pad, c, n, d, warps):
-    """The footprint written out by hand: logits tile, the D loop's operands, and the
-    backward's accumulator and second operand, in fp32 values per thread."""
-    live = {
-        "forward": n * c + (n + c) * d,
-        "grad_embeddings": n * c + (n + c) * d + n * d_pad + c * d_pad,
-        "grad_weight": n * c + (n + c) * d + d_pad * c + d_pad * n,
-    }[kernel]
-    return live / (32 * warps)
+def per_thread(c, n, d, warps):
+    """The forward's footprint written out by hand: the logits tile and the D loop's
+    operands, in fp32 values per thread."""
+    return (n * c + (n + c) * d) / (32 * warps)
 
 
 def test_candidates_fit_where_the_table_fits(tiling):
     kernels = triton_stats.triton_kernels()
     for d_pad in (128, 512, 1024):
         for operands in kernels.OPERAND_KINDS:
-            table = kernels.gpu_tiles(d_pad, 132, operands)
-            for name in tiling.KERNEL_NAMES:
-                base = getattr(table, name)
-                options = tiling.candidates(name, d_pad, base)
-                assert options[0] == base and len(set(options)) == len(options)
-                assert 2 <= len(options) <= tiling.MAX_CANDIDATES, (name, d_pad, operands)
-                bound = per_thread(name, d_pad, base.block_c, base.block_n,
-                                   min(base.block_d, d_pad), base.num_warps)  # fmt: skip
-                for tiles in options:
-                    tiles.check("candidate")
-                    assert tiles.block_d <= d_pad
-                    value = per_thread(name, d_pad, tiles.block_c, tiles.block_n,
-                                       min(tiles.block_d, d_pad), tiles.num_warps)  # fmt: skip
-                    assert value <= bound and tiling.footprint(name, d_pad, tiles) == value
-    # What ptxas showed to spill at D = 512 (the kernel module's docstring) is never tried.
-    table = kernels.gpu_tiles(512, 132, "half")
-    for name in ("grad_embeddings", "grad_weight"):
-        spilling = kernels.KernelTiles(64, 64, 64, 8, 2)
-        assert spilling not in tiling.candidates(name, 512, getattr(table, name), limit=1000)
+            base = kernels.gpu_tiles(d_pad, 132, operands).forward
+            options = tiling.candidates(d_pad, base)
+            assert options[0] == base and len(set(options)) == len(options)
+            assert 2 <= len(options) <= tiling.MAX_CANDIDATES, (d_pad, operands)
+            bound = per_thread(base.block_c, base.block_n, min(base.block_d, d_pad),
+                               base.num_warps)  # fmt: skip
+            for tiles in options:
+                tiles.check("candidate")
+                assert tiles.block_d <= d_pad
+                value = per_thread(tiles.block_c, tiles.block_n, min(tiles.block_d, d_pad),
+                                   tiles.num_warps)  # fmt: skip
+                assert value <= bound and tiling.footprint(d_pad, tiles) == value
 
 
 def small_shape(tiling, **changes):
     fields = {"num_rows": 16, "dim": 24, "num_classes": 40, "weight_dtype": torch.float32,
-              "matmul_dtype": torch.float32, "has_index": True, "update": "nesterov"}  # fmt: skip
+              "matmul_dtype": torch.float32, "has_index": True}  # fmt: skip
     return tiling.TuneShape(**{**fields, **changes})
 
 
 def fake_tuning(tiling, monkeypatch, tiles: list) -> tuple[list, object]:
-    """Tiling as on a GPU, with `tiles` as every kernel's candidates and a timer under which
-    each kernel's second candidate is the faster (nothing runs); returns (a list that grows
-    by one per timing, the timer)."""
+    """Tiling as on a GPU, with `tiles` as the forward's candidates and a timer under which
+    the second candidate is the faster (nothing runs); returns (a list that grows by one per
+    timing, the timer)."""
     monkeypatch.setattr(tiling, "should_tune", lambda device, shape: True)
-    monkeypatch.setattr(tiling, "candidates", lambda name, d_pad, base: tiles)
+    monkeypatch.setattr(tiling, "rounded_forward_candidates", lambda *args: tiles)
+    monkeypatch.setattr(tiling, "candidates", lambda *args: tiles)
     times = []
 
     def timer(run):
@@ -302,85 +291,69 @@ def fake_tuning(tiling, monkeypatch, tiles: list) -> tuple[list, object]:
     return times, timer
 
 
-def test_tuning_keeps_the_fastest_candidate_that_runs(tiling):
+@pytest.mark.parametrize("kernel", ["forward", "forward_keep"])
+def test_tuning_keeps_the_fastest_candidate_that_runs(tiling, kernel):
     kernels = triton_stats.triton_kernels()
     small = kernels.KernelTiles(16, 16, 16, 1, 1)
     wide = kernels.KernelTiles(32, 16, 32, 1, 1)
-    table = kernels.TileConfig(small, small, small, target_programs=4, backward="fused")
+    table = kernels.TileConfig(small, target_programs=4)
     problem = tiling.ScratchProblem(torch.device("cpu"), small_shape(tiling))
-    initial = problem.weight.clone()
-    for name in tiling.KERNEL_NAMES:
-        answers = iter([2e-3, 1e-3, None])
+    answers = iter([2e-3, 1e-3, None])
 
-        def timer(run, answers=answers):
-            run()  # the launch itself, interpreted
-            seconds = next(answers)
-            if seconds is None:
-                raise RuntimeError("OutOfResources: out of resource: shared memory\nRequired: 1")
-            return seconds
+    def timer(run):
+        run()  # the launch itself, interpreted
+        seconds = next(answers)
+        if seconds is None:
+            raise RuntimeError("OutOfResources: out of resource: shared memory\nRequired: 1")
+        return seconds
 
-        failing = kernels.KernelTiles(16, 32, 16, 1, 1)
-        best, timings = tiling.tune_kernel(name, problem, table, timer, [small, wide, failing])
-        assert best == wide, name
-        assert [t["ms"] for t in timings] == [2.0, 1.0, None]
-        assert timings[2]["error"] == "RuntimeError: OutOfResources: out of resource: shared memory"
-    # The fused update ran on the scratch rows at lr 0: their momentum moved, they did not.
-    assert torch.equal(problem.weight, initial)
-    assert problem.sgd.momentum_buffer.abs().sum() > 0
+    failing = kernels.KernelTiles(16, 32, 16, 1, 1)
+    best, timings = tiling.tune_kernel(kernel, problem, table, timer, [small, wide, failing])
+    assert best == wide
+    assert [t["ms"] for t in timings] == [2.0, 1.0, None]
+    assert timings[2]["error"] == "RuntimeError: OutOfResources: out of resource: shared memory"
 
 
 def test_tiles_are_timed_once_then_cached_per_shape(tiling, tmp_path, monkeypatch, caplog):
     kernels = triton_stats.triton_kernels()
     tiles = [kernels.KernelTiles(16, 16, 16, 1, 1), kernels.KernelTiles(32, 16, 16, 1, 1)]
-    table = kernels.TileConfig(tiles[0], tiles[0], tiles[0], target_programs=4, backward="fused")
+    table = kernels.TileConfig(tiles[0], target_programs=4)
     monkeypatch.setattr(kernels, "default_tiles", lambda device, dim, dtype: table)
     times, timer = fake_tuning(tiling, monkeypatch, tiles)
 
     cpu, cache = torch.device("cpu"), tuning.TuningCache(tmp_path)
     with caplog.at_level(logging.INFO, logger=tiling.__name__):
         config = tiling.tiles_for(cpu, small_shape(tiling), cache, timer)
-    assert len(times) == 6
-    assert config == kernels.TileConfig(tiles[1], tiles[1], tiles[1], 4, backward="fused")
-    assert sum("head tiles: " in r.getMessage() for r in caplog.records) == 3
+    assert len(times) == 2
+    assert config == kernels.TileConfig(tiles[1], 4, forward_keep=tiles[0])
+    assert sum("head tiles: " in r.getMessage() for r in caplog.records) == 1
     entries = cache.entries("tiles")
-    assert sorted(e["key"]["kernel"] for e in entries) == sorted(tiling.KERNEL_NAMES)
+    assert [e["key"]["kernel"] for e in entries] == ["forward"]
     assert all(e["tiles"] == tiles[1].__dict__ and len(e["timings"]) == 2 for e in entries)
 
     tiling.tiles_for(cpu, small_shape(tiling), cache, timer)  # this process remembers
     monkeypatch.setattr(tiling, "_TUNED", {})
     monkeypatch.setattr(tiling, "_CONFIGS", {})
     assert tiling.tiles_for(cpu, small_shape(tiling), tuning.TuningCache(tmp_path), timer) == config
-    assert len(times) == 6  # a new process reads the cache
+    assert len(times) == 2  # a new process reads the cache
 
-    # Another N: every kernel is timed again. Another update: only the weight gradient's.
+    # Another N, or the partial-FC index: timed again. The forward keeping its logits: its
+    # own tiles, timed (the other kernel's stay the table's).
     tiling.tiles_for(cpu, small_shape(tiling, num_rows=32), cache, timer)
-    assert len(times) == 12
-    tiling.tiles_for(cpu, small_shape(tiling, update="none"), cache, timer)
-    assert len(times) == 14
+    assert len(times) == 4
+    tiling.tiles_for(cpu, small_shape(tiling, has_index=False), cache, timer)
+    assert len(times) == 6
+    keeping = tiling.tiles_for(cpu, small_shape(tiling, keeps_logits=True), cache, timer)
+    assert len(times) == 8
+    assert keeping == kernels.TileConfig(tiles[0], 4, forward_keep=tiles[1])
 
     cache.path("tiles").write_text("{truncated")
     monkeypatch.setattr(tiling, "_TUNED", {})
     monkeypatch.setattr(tiling, "_CONFIGS", {})
     with caplog.at_level(logging.WARNING, logger=tuning.__name__):
         tiling.tiles_for(cpu, small_shape(tiling), tuning.TuningCache(tmp_path), timer)
-    assert len(times) == 20
+    assert len(times) == 10
     assert any("ignoring the tuning cache" in r.getMessage() for r in caplog.records)
-
-
-def test_the_gemm_backward_tunes_only_the_forwards_tiles(tiling, tmp_path, monkeypatch):
-    # Its one Triton kernel runs on the forward's tiles; the fused kernels' are not used.
-    kernels = triton_stats.triton_kernels()
-    tiles = [kernels.KernelTiles(16, 16, 16, 1, 1), kernels.KernelTiles(32, 16, 16, 1, 1)]
-    table = kernels.TileConfig(tiles[0], tiles[0], tiles[0], target_programs=4)
-    assert table.backward == "gemm"
-    monkeypatch.setattr(kernels, "default_tiles", lambda device, dim, dtype: table)
-    timed, timer = fake_tuning(tiling, monkeypatch, tiles)
-
-    cache = tuning.TuningCache(tmp_path)
-    config = tiling.tiles_for(torch.device("cpu"), small_shape(tiling), cache, timer)
-    assert len(timed) == 2
-    assert config == kernels.TileConfig(tiles[1], tiles[0], tiles[0], 4)
-    assert [e["key"]["kernel"] for e in cache.entries("tiles")] == ["forward"]
 
 
 def test_nothing_is_tuned_on_the_cpu_or_for_small_problems(tiling):
@@ -396,7 +369,7 @@ def test_nothing_is_tuned_on_the_cpu_or_for_small_problems(tiling):
     assert tiling.MIN_TUNED_WORK > 128 * 1000 * 128  # the default run's head: never tuned
 
 
-def test_the_gemm_backwards_forward_tries_the_larger_tiles_ptxas_allowed(tiling):
+def test_the_forward_tries_the_larger_tiles_ptxas_allowed(tiling):
     # Rows rounded beforehand leave shared memory and registers to larger tiles than the
     # footprint rule (drawn for rows rounded in the kernel) lets through: a K step of 64, a
     # tile of 256 classes. The table's tiles come first; fp32 operands keep the rule.
@@ -408,23 +381,5 @@ def test_the_gemm_backwards_forward_tries_the_larger_tiles_ptxas_allowed(tiling)
     assert kernels.KernelTiles(256, 128, 64, 8, 3) in options
     assert all(t.block_d <= 64 for t in tiling.rounded_forward_candidates(table, torch.float16, 64))
     assert tiling.rounded_forward_candidates(table, torch.float32, 512) == tiling.candidates(
-        "forward", 512, table
+        512, table
     )
-
-
-def test_the_forwards_tiles_are_kept_apart_per_backward(tiling, tmp_path, monkeypatch):
-    # The forward on rows rounded beforehand (GEMM backward) and on raw rows (fused
-    # backward) are two kernels for the compiler: tiles tuned for one are not the other's
-    # (the GPU check found the fused backward's forward reading the GEMM one's from memory).
-    kernels = triton_stats.triton_kernels()
-    tiles = [kernels.KernelTiles(16, 16, 16, 1, 1), kernels.KernelTiles(32, 16, 16, 1, 1)]
-    timed, timer = fake_tuning(tiling, monkeypatch, tiles)
-
-    cache = tuning.TuningCache(tmp_path)
-    for backward in ("gemm", "fused"):
-        table = kernels.TileConfig(tiles[0], tiles[0], tiles[0], 4, backward=backward)
-        monkeypatch.setattr(kernels, "default_tiles", lambda device, dim, dtype, t=table: t)
-        tiling.tiles_for(torch.device("cpu"), small_shape(tiling), cache, timer)
-    assert len(timed) == 2 + 6  # the fused backward's forward timed again
-    forward = [e["key"] for e in cache.entries("tiles") if e["key"]["kernel"] == "forward"]
-    assert sorted(k["class_rows"] for k in forward) == ["raw", "rounded"]

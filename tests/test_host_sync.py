@@ -356,12 +356,27 @@ def test_steady_state_steps_do_not_sync_on_two_ranks(image_folder, tmp_path, lay
         assert not syncs, f"rank {rank}:\n{syncs[:3000]}"
 
 
+# The Triton head with the fused update, on a GPU only (on the CPU its kernels run in the
+# interpreter, which reads their arguments on the host; tests/test_head_triton.py watches
+# that step with the launches apart).
+CUDA_CASES = {
+    **{name: CASES[name] for name in ("O1-bf16-clip-sgd", "O0-noclip-adamw-accumulate")},
+    "O1-bf16-triton-fused-update": (
+        "precision.level=O1",
+        "precision.dtype=bf16",
+        "optim.grad_clip=null",
+        "head.kernel=triton",
+        "head.fused_update=true",
+    ),
+}
+
+
 @needs_cuda
-@pytest.mark.parametrize("case", ["O1-bf16-clip-sgd", "O0-noclip-adamw-accumulate"])
+@pytest.mark.parametrize("case", list(CUDA_CASES))
 def test_steady_state_steps_do_not_sync_on_cuda(image_folder, tmp_path, monkeypatch, case):
     """torch.cuda.set_sync_debug_mode("error") raises on any synchronising CUDA call made
     while watched; the dispatch mode records the rest (a value read, a copy to the CPU)."""
     watcher = SyncWatcher(cuda=True)
     watch_steady_state(monkeypatch, watcher)
-    train(config(image_folder, tmp_path / "run", "train.device=cuda", *CASES[case]))
+    train(config(image_folder, tmp_path / "run", "train.device=cuda", *CUDA_CASES[case]))
     assert_no_syncs(watcher)

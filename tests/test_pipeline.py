@@ -86,9 +86,7 @@ def test_stages_keep_their_names_and_compose_to_the_backbone(backbone):
     cfg = (
         tiny_model(3, backbone)
         if backbone == "iresnet18"
-        else ModelConfig(
-            backbone=backbone, embedding_size=EMBEDDING, width=1.0, pipeline_stages=3
-        )
+        else ModelConfig(backbone=backbone, embedding_size=EMBEDDING, width=1.0, pipeline_stages=3)
     )
     hw = IMAGE_HW if backbone == "iresnet18" else (32, 16)
     torch.manual_seed(SEED)

@@ -512,10 +512,16 @@ def test_cpu_runs_skip_the_memory_check(tmp_path, monkeypatch):
     assert run.head is not None
 
 
-def test_memory_check_skips_what_it_cannot_plan(caplog):
-    # A GPU run the planner refuses (the Triton head) trains unchecked, with a warning: the
-    # check must not stop a run it cannot judge.
-    cfg = tiny("head.chunk_size=4096", "head.kernel=triton")
+def test_memory_check_skips_what_it_cannot_plan(caplog, monkeypatch):
+    # A GPU run the planner refuses trains unchecked, with a warning: the check must not
+    # stop a run it cannot judge.
+    from recognition.training.plan import PlanError, memory_check
+
+    def refuse(*args, **kwargs):
+        raise PlanError("not plannable")
+
+    monkeypatch.setattr(memory_check, "plan_run", refuse)
+    cfg = tiny("head.chunk_size=4096")
     with caplog.at_level("WARNING"):
         check_memory(cfg, DistInfo(), 20_000, device_memory=1)  # would not fit anything
     assert "memory check skipped: the run cannot be planned" in caplog.text

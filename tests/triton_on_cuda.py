@@ -6,21 +6,20 @@
 tests/test_head_triton.py checks the kernels in Triton's interpreter, which neither compiles
 them nor runs them at a GPU's tiles, grids and rounding. This script does, in a process of
 its own (the suite sets TRITON_INTERPRET=1, which triton reads once, at import). Each check
-prints one line; the first failure raises. The checks run with each backward (the GEMM
-one and the fused one; the forward and the GEMM backward in chunks of one tile of classes
-here, so that they cross chunks), at the
-GPU's tiles (several class splits, a partial last tile, D = 512):
+prints one line; the first failure raises. The checks run in chunks of one tile of classes
+(so that they cross chunks), at the GPU's tiles (several class splits, a partial last tile,
+D = 512):
 
 - fp32 operands (TF32 off): loss and gradients against a float64 reference;
 - bf16 operands under autocast (O1): against the torch path under the same autocast;
 - partial FC: against the torch path with the same sample;
 - the fused SGD update over 3 steps against torch.optim.SGD (momentum, Nesterov, decay);
 - the deterministic reduction: two backwards equal bit for bit;
-- CUDA only: steady-state steps of a triton head make no host synchronisation
-  (`torch.cuda.set_sync_debug_mode("error")`); head.kernel=auto measures both paths,
-  logs its choice, caches it, and a second head reads the cache; the tiles are timed at a
-  shape large enough to be tuned (two candidates per kernel, to keep the compile time short)
-  and the tuned kernels match the torch path, with either backward.
+- CUDA only: steady-state steps of a triton head, plain and with the fused update, make no
+  host synchronisation (`torch.cuda.set_sync_debug_mode("error")`); head.kernel=auto
+  measures both paths, logs its choice, caches it, and a second head reads the cache; the
+  tiles are timed at a shape large enough to be tuned (two candidates, to keep the compile
+  time short) and the tuned kernels match the torch path.
 
 With --device cpu (under TRITON_INTERPRET=1) the sizes shrink and the CUDA-only checks are
 left out: how the script itself is checked without a GPU.
@@ -151,26 +150,33 @@ def check_deterministic(sizes: Sizes, device: torch.device) -> str:
 
 
 def check_no_host_sync(sizes: Sizes, device: torch.device) -> str:
-    fast, _ = heads(sizes, device)
-    optimizer = torch.optim.SGD(fast.parameters(), lr=0.1, momentum=0.9, fused=True)
-    embeddings, labels = batch(sizes, device, seed=6)
+    said = []
+    for fused_update in (False, True):
+        fast, _ = heads(sizes, device)
+        optimizer = torch.optim.SGD(fast.parameters(), lr=0.1, momentum=0.9, fused=True)
+        if fused_update:  # the target rows' share summed on the device, the gate read there
+            fast.attach_fused_update(optimizer)
+        embeddings, labels = batch(sizes, device, seed=6)
 
-    def train_step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            fast(embeddings, labels).backward()
-        optimizer.step()
+        def train_step(fast=fast, optimizer=optimizer, embeddings=embeddings, labels=labels):
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = fast(embeddings, labels)
+            fast.gate_update(torch.isfinite(loss))
+            loss.backward()
+            optimizer.step()
 
-    for _ in range(2):  # compiles, makes the optimizer's state
-        train_step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
+        for _ in range(2):  # compiles, makes the optimizer's state
             train_step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return "steady-state triton steps make no host synchronisation"
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                train_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        said.append("with the fused update" if fused_update else "plain")
+    return f"steady-state triton steps make no host synchronisation ({', '.join(said)})"
 
 
 class Lines(logging.Handler):
@@ -206,49 +212,39 @@ def check_auto(sizes: Sizes, device: torch.device) -> str:
 
 
 def check_tuned_tiles(sizes: Sizes, device: torch.device) -> str:
-    """A shape above MIN_TUNED_WORK (N 512, D 512, 32,768 classes, bf16 under autocast),
-    with each backward: the fused one tunes its three kernels, the GEMM one the forward's."""
+    """A shape above MIN_TUNED_WORK (N 512, D 512, 32,768 classes, bf16 under autocast)."""
     tile_tuning = importlib.import_module("recognition.heads.tuning.tiles")
-    tile_tuning.MAX_CANDIDATES = 2  # the table's tiles and one neighbour per kernel
+    tile_tuning.MAX_CANDIDATES = 2  # the table's tiles and one other
     big = Sizes(device)
     big.rows, big.classes = 512, 32768
     assert big.rows * big.classes * big.dim >= tile_tuning.MIN_TUNED_WORK
-    said = []
-    for backward, tuned in (("gemm", ["forward"]), ("fused", list(tile_tuning.KERNEL_NAMES))):
-        use_backward(backward)
-        with tempfile.TemporaryDirectory() as folder:
-            fast, slow = heads(big, device, tuning_cache=folder)
-            embeddings, labels = batch(big, device, seed=8)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                got, want = step(fast, embeddings, labels), step(slow, embeddings, labels)
-            entries = tuning.TuningCache(folder).entries("tiles")
-        for a, b in zip(got, want, strict=True):
-            assert_close_rel(a, b, 2e-2)
-        assert sorted(e["key"]["kernel"] for e in entries) == sorted(tuned)
-        kernel_tiles = tile_tuning._kernels().KernelTiles
-        said.append(f"{backward}: " + ", ".join(
-            f"{e['key']['kernel']} {tile_tuning.describe(kernel_tiles(**e['tiles']))}"
-            for e in entries
-        ))  # fmt: skip
-    use_backward("gemm")
-    return f"tuned tiles match the torch path: {'; '.join(said)}"
+    with tempfile.TemporaryDirectory() as folder:
+        fast, slow = heads(big, device, tuning_cache=folder)
+        embeddings, labels = batch(big, device, seed=8)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got, want = step(fast, embeddings, labels), step(slow, embeddings, labels)
+        entries = tuning.TuningCache(folder).entries("tiles")
+    for a, b in zip(got, want, strict=True):
+        assert_close_rel(a, b, 2e-2)
+    assert [e["key"]["kernel"] for e in entries] == ["forward_keep"]  # chunk size None
+    kernel_tiles = tile_tuning._kernels().KernelTiles
+    said = ", ".join(
+        f"{e['key']['kernel']} {tile_tuning.describe(kernel_tiles(**e['tiles']))}" for e in entries
+    )
+    return f"tuned tiles match the torch path: {said}"
 
 
-def use_backward(name: str) -> None:
-    """Heads made after this run backward `name`, the GEMM one or the fused one; the forward
-    and the GEMM backward in chunks of one class tile (128 classes), so that the checks
-    cross chunks."""
-    kernels = importlib.import_module("recognition.heads.kernels.margin_softmax_triton")
+def small_chunks() -> None:
+    """The forward and the backward in chunks of one class tile (128 classes), so that the
+    checks cross chunks."""
     from recognition.heads.kernels import forward, gemm_backward
 
-    kernels.use_backward(name)
     gemm_backward.CHUNK_LOGITS = 1
     forward.CHUNK_ROW_VALUES = 1
 
 
 CHECKS = [check_fp32, check_bf16, check_partial_fc, check_fused_update, check_deterministic]
 CUDA_CHECKS = [check_no_host_sync, check_auto, check_tuned_tiles]
-BACKWARDS = ("gemm", "fused")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,11 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cpu runs under TRITON_INTERPRET=1, cuda without it")
     sizes = Sizes(device)
     torch.manual_seed(0)
-    for backward in BACKWARDS:
-        use_backward(backward)
-        for check in CHECKS:
-            print(f"{check.__name__} [{backward}]: {check(sizes, device)}", flush=True)
-    use_backward("gemm")
+    small_chunks()
+    for check in CHECKS:
+        print(f"{check.__name__}: {check(sizes, device)}", flush=True)
     for check in CUDA_CHECKS if device.type == "cuda" else []:
         print(f"{check.__name__}: {check(sizes, device)}", flush=True)
     return 0

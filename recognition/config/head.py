@@ -52,7 +52,9 @@ class HeadConfig:
     chunk_size: int | None = None
     """Classes per logit chunk, recomputed in backward (memory O(batch x chunk_size));
     null keeps the logits of the whole shard for backward (faster, memory O(batch x
-    classes per rank)); it is never replaced by a size chosen automatically."""
+    classes per rank): fp32 on the torch path; on the Triton path in the matmul dtype, with
+    the rows rounded to it once per step). null is never replaced by a size chosen
+    automatically: `python train.py --plan` shows what each needs."""
     kernel: Literal["auto", "triton", "torch"] = "auto"
     """The head's local statistics: torch (the reference code), triton (fused kernels, CUDA
     or TRITON_INTERPRET=1) or auto (on CUDA the faster of the two, timed at the first step

@@ -68,6 +68,7 @@ from torch.distributed import ProcessGroup
 
 from recognition import distributed
 from recognition.heads.input_checks import InputChecks, check_arguments
+from recognition.heads.kept_rows import KeptRows
 from recognition.heads.local_stats import l2_normalize
 from recognition.heads.margins import Margin
 from recognition.heads.optimizer_handover import OptimizerHandOver
@@ -286,6 +287,7 @@ class ShardedMarginSoftmax(OptimizerHandOver, nn.Module):
         self.sampled_index: Tensor | None = None
         self._optimizer_param: list[Tensor] = [self.weight]  # see OptimizerHandOver
         self._fused: FusedSGD | None = None
+        self._kept_rows = KeptRows()  # between fused updates, outside checkpoints
 
     # ---------------------------------------------------------------- the shard
 
@@ -315,18 +317,14 @@ class ShardedMarginSoftmax(OptimizerHandOver, nn.Module):
         self._sampler.sampling_step = value
 
     def extra_repr(self) -> str:
-        return (
-            f"num_classes={self.num_classes}, embedding_size={self.embedding_size}, "
-            f"class_start={self.class_start}, num_local={self.num_local}, "
-            f"world_size={self.world_size}, chunk_size={self.chunk_size}, "
-            f"sample_rate={self.sample_rate}, kernel={self.kernel}, "
-            f"label_smoothing={self.label_smoothing}"
-        )
+        names = ("num_classes", "embedding_size", "class_start", "num_local", "world_size",
+                 "chunk_size", "sample_rate", "kernel", "label_smoothing")  # fmt: skip
+        return ", ".join(f"{name}={getattr(self, name)}" for name in names)
 
     def _shard(self) -> ShardShape:
         return ShardShape(
             self.weight, self.num_local, self.embedding_size, self.chunk_size,
-            self.world_size, self.group,
+            self.world_size, self.group, self._kept_rows,
         )  # fmt: skip
 
     # ---------------------------------------------------------------- the loss

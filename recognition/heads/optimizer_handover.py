@@ -45,8 +45,17 @@ class OptimizerHandOver:
     @property
     def updates_in_backward(self) -> bool:
         """True once `attach_fused_update` made the backward step the class rows: a step
-        must then know its loss finite before backward (no later mask reaches them)."""
+        must then gate that update with its loss's finiteness (`gate_update`) before
+        backward, since no later mask reaches them."""
         return self._fused is not None
+
+    def gate_update(self, step_ok: Tensor) -> None:
+        """With a fused update: the next backward steps the class rows only where `step_ok`
+        (a 0-dim bool tensor on the device, e.g. the loss is finite) is True, without
+        reading it on the host; else nothing changes (no rows, no momentum). Without a fused
+        update, nothing to gate."""
+        if self._fused is not None:
+            self._fused.gate(step_ok)
 
     def squared_grad_norm(self) -> Tensor:
         """Sum of squares of the class rows' gradients over every rank of the group.

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from recognition.heads.kept_rows import KeptRows
 from recognition.heads.local_stats import (
     ClassStatsFunction,
     add_target_rows_,
@@ -21,6 +22,7 @@ from recognition.heads.local_stats import (
     target_share,
     target_terms,
 )
+from recognition.heads.traffic import phase
 
 
 def triton_kernels() -> ModuleType:
@@ -41,6 +43,14 @@ class FusedSGD:
         self.optimizer = optimizer
         self.param = param
         self.group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+        # The next update's gate (`gate`), read once.
+        self.step_ok: Tensor | None = None
+
+    def gate(self, step_ok: Tensor) -> None:
+        """Make the next update store nothing where `step_ok` (a 0-dim bool tensor on the
+        device) is False: the rows and their momentum stay as they were, and nothing is
+        read on the host."""
+        self.step_ok = step_ok
 
     @property
     def kind(self) -> str:
@@ -60,12 +70,14 @@ class FusedSGD:
                 state["momentum_buffer"] = buffer
             if buffer.dtype != torch.float32 or not buffer.is_contiguous():
                 raise ValueError("head.fused_update: the momentum buffer must be dense float32")
+        step_ok, self.step_ok = self.step_ok, None
         return kernels.SGDUpdate(
             lr=float(group["lr"]),
             momentum=float(group["momentum"]),
             weight_decay=float(group["weight_decay"]),
             nesterov=bool(group["nesterov"]),
             momentum_buffer=buffer,
+            step_ok=step_ok,
         )
 
 
@@ -100,10 +112,17 @@ class TritonClassStats(ClassStatsFunction):
 
     Statistics in float32 only. The target cosine is computed as in `LocalClassStats`; the
     non-target statistics and their gradient come from the kernels, launched with `tiles`
-    (a TileConfig, from `ShardedMarginSoftmax._triton_tiles`). With `fused` (a
-    `FusedSGD`), backward applies the SGD step to the taking-part rows of `weight` in place
-    - the kernel's share and the target rows' share together - and returns no gradient for
-    the weight.
+    (a TileConfig, from `KernelSelector.triton_tiles`). With `fused` (a `FusedSGD`),
+    backward applies the SGD step to the taking-part rows of `weight` in place - the
+    kernel's share and the target rows' share together - and returns no gradient for the
+    weight; `kept_rows` (a `KeptRows`, with `fused` only) then holds the rows' inverse norms
+    and rounded copy between steps, which the update keeps current.
+
+    `keep` (head.chunk_size None): the forward keeps the exponentials of the logits in the
+    matmul dtype, N x K (2 bytes each in bf16), and the rows rounded to the matmul dtype for
+    the backward, which then reads them rather than recomputing the logits and rounding the
+    rows again: 6 N K D matmul FLOPs a step instead of 8. Otherwise it keeps neither: memory
+    O(N x chunk) as the torch path with a chunk size.
     """
 
     @staticmethod
@@ -117,6 +136,8 @@ class TritonClassStats(ClassStatsFunction):
         matmul_dtype: torch.dtype,
         fused: FusedSGD | None,
         tiles: Any,
+        keep: bool,
+        kept_rows: KeptRows | None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         kernels = triton_kernels()
         with torch.autocast(norm_embeddings.device.type, enabled=False):
@@ -124,16 +145,20 @@ class TritonClassStats(ClassStatsFunction):
             target_rows, target_cos, target_pos = target_terms(
                 norm_embeddings, weight, row_index, target_row
             )
-            inv_norm = kernels.inverse_norms(weight, row_index, norm_eps(weight.dtype))  # (K,)
-            row_max, row_sumexp = kernels.class_stats(
-                norm_embeddings, weight, row_index, inv_norm, target_pos, scale, matmul_dtype,
-                tiles,
-            )  # fmt: skip
+            with phase("forward"):
+                rows, inv_norm, held = class_rows(
+                    kernels, weight, row_index, matmul_dtype, keep, kept_rows if fused else None
+                )
+                row_max, row_sumexp, kept = kernels.class_stats(
+                    norm_embeddings, weight, row_index, inv_norm, target_pos, scale,
+                    matmul_dtype, tiles, rows=rows, keep=keep,
+                )  # fmt: skip
         ctx.save_for_backward(
             norm_embeddings, weight, row_index, target_row, target_rows, target_pos, inv_norm,
             row_max,
         )  # fmt: skip
         ctx.scale, ctx.matmul_dtype, ctx.tiles, ctx.fused = scale, matmul_dtype, tiles, fused
+        ctx.rows, ctx.kept, ctx.held = rows, kept, held
         ctx.gradients = TritonClassStats.gradients
         return ClassStatsFunction.outputs(ctx, row_max, row_sumexp, target_cos)
 
@@ -146,25 +171,58 @@ class TritonClassStats(ClassStatsFunction):
          row_max) = ctx.saved_tensors  # fmt: skip
         fused: FusedSGD | None = ctx.fused
         want_weight = ctx.needs_input_grad[1] or fused is not None
-        owned = target_row >= 0
         # The target cosine's share, as LocalClassStats computes it; before the kernels,
-        # since a fused update overwrites the weight.
+        # since a fused update overwrites the weight. With a fused update the kernel's
+        # epilogue adds it to each target row (summed on the device: no host sync).
         grad_target, target_grad_rows = target_share(
             grad_target_cos, norm_embeddings, weight, target_row, want_weight
         )
-        target_grad = None
-        if fused is not None:  # one summed gradient per distinct target row
-            rows, inverse = torch.unique(target_row[owned], return_inverse=True)
-            summed = target_grad_rows.new_zeros((rows.numel(), weight.shape[1]))
-            target_grad = (rows, summed.index_add_(0, inverse, target_grad_rows[owned]))
         grad_embeddings, grad_weight = kernels.class_stats_backward(
             norm_embeddings, weight, row_index, inv_norm, target_pos, row_max, grad_sumexp,
             ctx.scale, ctx.matmul_dtype, ctx.tiles, want_weight=want_weight,
-            target_grad=target_grad,
+            target_grad=target_grad_rows if fused is not None else None,
             sgd=fused.update(kernels) if fused is not None else None,
-            norm_limit=1.0 / norm_eps(weight.dtype),
+            norm_limit=1.0 / norm_eps(weight.dtype), rows=ctx.rows, kept=ctx.kept,
+            kept_rows=ctx.held,
         )  # fmt: skip
+        # Freed with the backward, not the graph. The kept logits are now their gradient: a
+        # second backward of this forward (retain_graph) recomputes them.
+        ctx.rows = ctx.kept = ctx.held = None
         grad_embeddings += grad_target * target_rows
         if grad_weight is not None:
             add_target_rows_(grad_weight, target_row, target_grad_rows)
-        return grad_embeddings, grad_weight, None, None, None, None, None, None
+        return grad_embeddings, grad_weight, None, None, None, None, None, None, None, None
+
+
+def class_rows(
+    kernels: ModuleType,
+    weight: Tensor,
+    row_index: Tensor | None,
+    matmul_dtype: torch.dtype,
+    keep: bool,
+    kept_rows: KeptRows | None,
+) -> tuple[Any, Tensor, tuple[Tensor | None, Tensor] | None]:
+    """Where a forward reads the taking-part rows from (a `RowSource`), their inverse norms
+    (K,), and what a fused update keeps current ((rounded copy or None, inverse norms) of
+    every row, or None).
+
+    With `kept_rows` (the fused update), the rows' copy (when `keep`) and inverse norms kept
+    between steps; else made now: the taking-part rows rounded once for the forward and the
+    backward (when `keep` and rounding or gathering is needed; otherwise a chunk at a time),
+    and their inverse norms, one pass over the rows.
+    """
+    eps = norm_eps(weight.dtype)
+    if kept_rows is not None:
+        rounded, all_inv_norm = kept_rows.current(weight, matmul_dtype, keep, eps)
+        inv_norm = all_inv_norm if row_index is None else all_inv_norm[row_index]
+        source = kernels.RowSource(
+            weight, row_index, matmul_dtype, rounded if rounded is not None else weight, True
+        )
+        if not keep:  # rounded a chunk at a time
+            source = kernels.RowSource(weight, row_index, matmul_dtype)
+        return source, inv_norm, (rounded, all_inv_norm)
+    inv_norm = kernels.inverse_norms(weight, row_index, eps)
+    rounded = None
+    if keep and (row_index is not None or weight.dtype != matmul_dtype):
+        rounded = kernels.RowSource(weight, row_index, matmul_dtype).chunk(0, inv_norm.shape[0])
+    return kernels.RowSource(weight, row_index, matmul_dtype, rounded), inv_norm, None

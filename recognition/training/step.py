@@ -8,9 +8,9 @@ The step launches no host synchronisation: it reads no tensor value on the host 
 branches on none. A non-finite loss or gradient norm is handled on the device (the
 optimizer's update is masked, see `recognition.precision`), and the `StepResult` holds
 device tensors that the log window reads at its interval. What still synchronises, and why:
-partial FC (`head.sample_rate` < 1: the sampled classes' count is data-dependent), and
-`head.fused_update` (the head's rows are stepped inside backward, so the loss is checked on
-the host first).
+partial FC (`head.sample_rate` < 1: the sampled classes' count is data-dependent).
+`head.fused_update` steps the head's rows inside backward: the loss's finiteness gates that
+update on the device (`gate_update`).
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ def train_step(
     # DDP wrapper inside (torch.compile's OptimizedModule).
     syncing = getattr(backbone, "wrapped", backbone)
     is_ddp = isinstance(getattr(syncing, "_orig_mod", syncing), DistributedDataParallel)
-    # head.fused_update steps the class rows inside backward, where no mask can reach: the
-    # loss must be known finite on the host before (one sync per step, that mode only).
-    checks_loss_on_host = getattr(head, "updates_in_backward", False)
+    # head.fused_update steps the class rows inside backward, where the optimizer's mask
+    # cannot reach: the loss's finiteness gates that update on the device.
+    gates_head_update = getattr(head, "updates_in_backward", False)
     precision.zero_grad(optimizer)
     losses, accuracies, distill_losses = [], [], []
     for index, (images, labels, *brought) in enumerate(micro_batches):
@@ -100,9 +100,10 @@ def train_step(
                 loss, reported, distill_loss = _loss(
                     backbone, head, images, labels, brought, precision, training_loss, distill
                 )
-            skip_backward = checks_loss_on_host and not bool(torch.isfinite(reported))
-            if not skip_backward:
-                precision.backward(loss / num_micro)
+            if gates_head_update:
+                # `reported` is the same on every rank: every rank gates alike.
+                head.gate_update(torch.isfinite(reported))
+            precision.backward(loss / num_micro)
         # Kept in the loss's own dtype (float32, or float64 in a float64 run).
         losses.append(reported.detach())
         if distill_loss is not None:

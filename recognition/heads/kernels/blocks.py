@@ -117,30 +117,26 @@ def _grad_dots(raw, inv_norm, offs_c, c_mask, target, shift, grad_scale, scale):
 
 
 @triton.jit
-def _halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """The top and bottom halves (ROWS // 2, COLS) of x (ROWS, COLS)."""
-    return tl.split(tl.permute(tl.reshape(x, (2, ROWS // 2, COLS)), (1, 2, 0)))
-
-
-@triton.jit
 def _finish_rows(
-    acc_t, d_start, coefficient, W, GRAD_W, EXTRA, BUF, rows, c_mask, slot, dim,
+    acc_t, coefficient, W, GRAD_W, EXTRA, BUF, GATE, rows, c_mask, slot, dim,
     stride_wc, stride_gc, lr, momentum, weight_decay,
     FUSED: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
-    NESTEROV: tl.constexpr, WIDTH: tl.constexpr,
+    NESTEROV: tl.constexpr, HAS_GATE: tl.constexpr, D_PAD: tl.constexpr,
 ):  # fmt: skip
-    """Columns [d_start, d_start + WIDTH) of the tile's rows, transposed (WIDTH, BLOCK_C):
-    the gradient acc_t (g / |w|) less its radial part, plus the target rows' share, stored
-    or applied as the SGD step."""
-    offs_d = d_start + tl.arange(0, WIDTH)
+    """The tile's rows, transposed (D_PAD, BLOCK_C): the gradient acc_t (g / |w|) less its
+    radial part, plus the target rows' share, stored or applied as the SGD step (where the
+    gate, if any, is not 0). Returns the rows as they are now, fp32 (D_PAD, BLOCK_C)."""
+    offs_d = tl.arange(0, D_PAD)
     mask = c_mask[None, :] & (offs_d < dim)[:, None]
     w_ptrs = W + rows[None, :] * stride_wc + offs_d[:, None]
     w32 = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
     grad_w = acc_t - w32 * coefficient[None, :]
-    if HAS_EXTRA:  # the target rows' share (computed by torch), one slot per distinct row
+    if HAS_EXTRA:  # the target rows' share (computed by torch), one slot per target row
         extra_ptrs = EXTRA + slot.to(tl.int64)[None, :] * dim + offs_d[:, None]
         grad_w += tl.load(extra_ptrs, mask=mask & (slot[None, :] >= 0), other=0.0)
     if FUSED:
+        if HAS_GATE:  # a non-finite loss (train_step's gate): nothing is stored
+            mask = mask & (tl.load(GATE) != 0)
         # torch.optim.SGD (dampening 0): d = g + wd * w; buf = momentum * buf + d (buf is
         # zero before the first step, which makes the first buf = d, as torch sets it);
         # d = d + momentum * buf (Nesterov) or buf; w = w - lr * d.
@@ -153,7 +149,10 @@ def _finish_rows(
                 step = step + momentum * buf
             else:
                 step = buf
-        tl.store(w_ptrs, (w32 - lr * step).to(W.dtype.element_ty), mask=mask)
+        stepped = (w32 - lr * step).to(W.dtype.element_ty)
+        tl.store(w_ptrs, stepped, mask=mask)
+        w32 = tl.where(mask, stepped.to(tl.float32), w32)
     else:
         g_ptrs = GRAD_W + rows[None, :] * stride_gc + offs_d[:, None]
         tl.store(g_ptrs, grad_w.to(GRAD_W.dtype.element_ty), mask=mask)
+    return w32

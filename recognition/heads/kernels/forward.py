@@ -1,19 +1,18 @@
 """The forward kernel: max and sum-exp of the non-target logits of every row over the
-classes taking part (`class_stats`), and the inverse norms of their rows.
+classes taking part (`class_stats`), the inverse norms of their rows, and, when asked, the
+logits' exponentials for the backward (`KeptLogits`).
 
-With the GEMM backward (the default), the classes go a chunk at a time (`chunk_classes`: at
-most CHUNK_ROW_VALUES values of rows, 65,536 classes at D = 512): the chunk's rows -
-gathered through the partial-FC index, if any - are rounded to the matmul dtype on the host
-(`chunk_rows`), one pass over them per step. So the kernel reads its operands as the matrix
-units take them: on a Hopper GPU a tile then goes from shared memory straight to an
+The classes go a chunk at a time (`chunk_classes`: at most CHUNK_ROW_VALUES values of rows,
+65,536 classes at D = 512): the chunk's rows - gathered through the partial-FC index, if
+any - are rounded to the matmul dtype beforehand (`host.RowSource`: a chunk at a time, or
+once for the step, or the head's kept copy). So the kernel reads its operands as the
+matrix units take them: on a Hopper GPU a tile then goes from shared memory straight to an
 asynchronous wgmma, one of them in flight while the next loads, where rows rounded in the
 kernel go through registers (a load, a conversion, a store back to shared memory and a
 fence) and each wgmma is waited for at once (what Triton 3.8 makes of the two for sm_90:
-python -m benchmarks.head_kernel_resources compiles them). Measured on an H200 at 1M classes
-(N 1024, D 512, bf16, tuned tiles): 2.9 ms on rounded chunks (about 370 TFLOP/s) against 4.0
-to 5.2 ms on raw rows (benchmarks/results/head_profile-*-nvidia-h200.md). With the fused
-backward, whose kernels round the raw rows as they recompute the logits, the forward reads
-the raw rows too, all classes in one launch.
+python -m benchmarks.head_kernel_resources compiles them). Measured on an H200 at 1M
+classes (N 1024, D 512, bf16, tuned tiles): 2.9 ms on rounded chunks (about 370 TFLOP/s)
+against 4.0 to 5.2 ms on raw rows (benchmarks/results/head_profile-*-nvidia-h200.md).
 
 Over a chunk: a grid of (row blocks, class splits). Each program walks its split of the
 classes BLOCK_C at a time; for each tile, the logits (BLOCK_N, BLOCK_C) are summed over the
@@ -25,11 +24,19 @@ masked to -inf, then an online max / sum-exp in fp32. Each split of each chunk w
 partial statistics (N,); a small last step (`_combine`) folds them together, so that one
 row of statistics never serialises the whole shard onto one program.
 
+With `keep` (head.chunk_size None) each tile also stores exp(logit - shift) in the matmul
+dtype, shift being its program's running max once the tile is in, and the shift (N,) per
+tile, fp32: the backward rescales them to the final max (exp(shift - max) <= 1) instead of
+recomputing the logits. On the tiles `TileConfig.forward_keep` (the store of a tile of them
+takes registers: tiles.py).
+
 Import this module only when the kernels are needed: `triton.jit` reads TRITON_INTERPRET at
 import time.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,7 +45,7 @@ from torch import Tensor
 
 from recognition.heads.kernels import host
 from recognition.heads.kernels.blocks import _logits, _row_block, _tile_dots
-from recognition.heads.kernels.host import chunk_rows, launch_settings, splits
+from recognition.heads.kernels.host import RowSource, launch, launch_settings, splits
 from recognition.heads.kernels.tiles import TileConfig
 
 # Values of the rounded class rows per chunk: 64 MiB in bf16 (65,536 classes at D = 512). A
@@ -48,9 +55,9 @@ CHUNK_ROW_VALUES = 1 << 25
 
 @triton.jit
 def _forward_kernel(
-    W, ROW_INDEX, E, INV_NORM, TARGET, PART_MAX, PART_SUM,
-    num_classes, num_rows, dim, stride_wc, stride_en, scale, tiles_per_split,
-    HAS_INDEX: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+    W, E, INV_NORM, TARGET, PART_MAX, PART_SUM, KEPT, TILE_SHIFT,
+    num_classes, num_rows, dim, stride_wc, stride_en, stride_kn, scale, tiles_per_split,
+    KEEP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, D_PAD: tl.constexpr, MM_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
@@ -59,17 +66,26 @@ def _forward_kernel(
     row_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     row_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for t in range(0, tiles_per_split):
+        tile = pid_s * tiles_per_split + t
         offs_c, c_mask, rows, inv_norm, raw = _tile_dots(
-            W, ROW_INDEX, E, INV_NORM, (pid_s * tiles_per_split + t) * BLOCK_C, num_classes,
-            offs_n, n_mask, dim, stride_wc, stride_en, HAS_INDEX, BLOCK_C, BLOCK_N, BLOCK_D,
+            W, INV_NORM, E, INV_NORM, tile * BLOCK_C, num_classes,
+            offs_n, n_mask, dim, stride_wc, stride_en, False, BLOCK_C, BLOCK_N, BLOCK_D,
             D_PAD, MM_DTYPE, INPUT_PRECISION, UPCAST,
         )  # fmt: skip
         logits = _logits(raw, inv_norm, offs_c, c_mask, target, scale)
         new_max = tl.maximum(row_max, tl.max(logits, axis=1))
         # A row whose entries so far are all masked has max -inf: shift by 0, not by -inf.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(logits - shift[:, None]), 1)
+        probabilities = tl.exp(logits - shift[:, None])  # 0 at the target and the padding
+        row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(probabilities, 1)
         row_max = new_max
+        if KEEP:  # for the backward: exp(logit - shift) in the matmul dtype, and the shift
+            k_ptrs = KEPT + offs_n[:, None] * stride_kn + offs_c[None, :]
+            k_mask = n_mask[:, None] & c_mask[None, :]
+            tl.store(k_ptrs, probabilities.to(KEPT.dtype.element_ty), mask=k_mask)
+            # The last split may run past the chunk's tiles: those store nothing.
+            in_chunk = n_mask & (tile * BLOCK_C < num_classes)
+            tl.store(TILE_SHIFT + tile.to(tl.int64) * num_rows + offs_n, shift, mask=in_chunk)
     out = pid_s * num_rows + offs_n
     tl.store(PART_MAX + out, row_max, mask=n_mask)
     tl.store(PART_SUM + out, row_sum, mask=n_mask)
@@ -88,6 +104,19 @@ def _combine(part_max: Tensor, part_sum: Tensor) -> tuple[Tensor, Tensor]:
     return row_max, (part_sum * torch.exp(part_max - shift)).sum(dim=0)
 
 
+@dataclass
+class KeptLogits:
+    """What the forward keeps for the backward when asked (`class_stats(keep=True)`): the
+    exponentials exp(logit - shift) (N, K) in the matmul dtype, shifted by the running max
+    of their program's split when the tile was reached, and those shifts, (tiles, N) fp32
+    (tile t covers positions [t * block_c, (t + 1) * block_c)). The backward rescales them
+    to the final max: exp(logit - max) = kept * exp(shift_t - max), each factor <= 1."""
+
+    probabilities: Tensor
+    tile_shift: Tensor
+    block_c: int
+
+
 def class_stats(
     norm_embeddings: Tensor,
     weight: Tensor,
@@ -97,54 +126,67 @@ def class_stats(
     scale: float,
     matmul_dtype: torch.dtype,
     tiles: TileConfig,
-) -> tuple[Tensor, Tensor]:
-    """Max and sum-exp (N,) fp32 of the non-target logits over the taking-part classes.
+    *,
+    rows: RowSource | None = None,
+    keep: bool = False,
+) -> tuple[Tensor, Tensor, KeptLogits | None]:
+    """Max and sum-exp (N,) fp32 of the non-target logits over the taking-part classes, and
+    with `keep` the logits' exponentials for the backward (`KeptLogits`; else None).
 
     `norm_embeddings` (N, D) fp32 normalised; `weight` (C_local, D) raw rows; `row_index` (K,)
     the taking-part rows or None for all; `inv_norm` (K,) from `inverse_norms`;
-    `target_pos` (N,) each row's target as a taking-part position, -1 where not owned.
+    `target_pos` (N,) each row's target as a taking-part position, -1 where not owned;
+    `rows` where the rounded rows come from (default: rounded a chunk at a time).
     A row with no non-target class gets max -inf and sum 0.
     """
     num_rows, dim = norm_embeddings.shape
     num_classes = inv_norm.shape[0]
     if weight.stride(1) != 1 or not norm_embeddings.is_contiguous():
         raise ValueError("triton head kernel: the weight's rows and the embeddings must be dense")
-    settings = launch_settings(norm_embeddings, matmul_dtype, tiles.forward)
+    rows = rows if rows is not None else RowSource(weight, row_index, matmul_dtype)
+    kernel_tiles = tiles.forward_keep if keep else tiles.forward
+    settings = launch_settings(norm_embeddings, matmul_dtype, kernel_tiles)
+    block_c = kernel_tiles.block_c
     # Rounded once here, as the torch path rounds them, rather than in every tile.
     mm_embeddings = norm_embeddings.to(matmul_dtype)
     target_pos = target_pos.to(torch.int32)
-    row_blocks = triton.cdiv(num_rows, tiles.forward.block_n)
-    if tiles.backward == "fused":
-        # All classes at once, the raw rows rounded in the kernel, as that backward's kernels
-        # round them when they recompute the logits (the same function on a GPU, where both
-        # round to nearest; the interpreter truncates in the kernel).
-        pieces = [(0, num_classes, weight, row_index)]
-    else:
-        chunk = host.chunk_classes(
-            num_classes, tiles.forward.block_c, CHUNK_ROW_VALUES // max(dim, 1)
+    row_blocks = triton.cdiv(num_rows, kernel_tiles.block_n)
+    kept = None
+    if keep:
+        kept = KeptLogits(
+            norm_embeddings.new_empty((num_rows, num_classes), dtype=matmul_dtype),
+            norm_embeddings.new_empty((triton.cdiv(num_classes, block_c), num_rows)),
+            block_c,
         )
-        # A generator: one chunk's rounded rows at a time (a list held every chunk at once, a
-        # bf16 copy of the whole shard: 9.6 GiB more at 10M classes, measured on an H200).
-        pieces = (
-            (first, end, chunk_rows(weight, row_index, first, end, matmul_dtype), None)
-            for first in range(0, num_classes, chunk)
-            for end in [min(first + chunk, num_classes)]
-        )
+    chunk = host.chunk_classes(num_classes, block_c, CHUNK_ROW_VALUES // max(dim, 1))
     parts = []
-    for first, end, rows, index in pieces:  # rows (K_c, D), or the weight through its index
-        num_tiles = triton.cdiv(end - first, tiles.forward.block_c)
+    for first in range(0, num_classes, chunk):
+        end = min(first + chunk, num_classes)
+        # One chunk's rounded rows at a time (a list held every chunk at once, a bf16 copy
+        # of the whole shard: 9.6 GiB more at 10M classes, measured on an H200).
+        chunk_rows = rows.chunk(first, end)  # (K_c, D)
+        num_tiles = triton.cdiv(end - first, block_c)
         num_splits, per_split = splits(num_tiles, row_blocks, tiles.target_programs)
         part_max = norm_embeddings.new_empty((num_splits, num_rows), dtype=torch.float32)
         part_sum = torch.empty_like(part_max)
-        # Positions within the piece: a target elsewhere matches none of its classes.
-        _forward_kernel[(row_blocks, num_splits)](
-            rows, index if index is not None else inv_norm, mm_embeddings, inv_norm[first:end],
-            target_pos - first, part_max, part_sum, end - first, num_rows, dim, rows.stride(0),
-            mm_embeddings.stride(0), float(scale), per_split, HAS_INDEX=index is not None,
-            **settings,
+        # Placeholders where nothing is kept (the kernel does not read them then).
+        kept_args = (part_max, part_max, 0)
+        if kept is not None:  # the chunk's columns and tiles (a chunk is whole tiles)
+            columns = kept.probabilities[:, first:end]
+            kept_args = (columns, kept.tile_shift[first // block_c :], columns.stride(0))
+        # Positions within the chunk: a target elsewhere matches none of its classes.
+        launch(_forward_kernel, (row_blocks, num_splits),
+            chunk_rows, mm_embeddings, inv_norm[first:end], target_pos - first, part_max,
+            part_sum, *kept_args[:2], end - first, num_rows, dim, chunk_rows.stride(0),
+            mm_embeddings.stride(0), kept_args[2], float(scale), per_split,
+            KEEP=kept is not None, **settings,
         )  # fmt: skip
+        del chunk_rows
         parts.append((part_max, part_sum))
     if not parts:  # no class takes part: as for a row whose classes are all masked
         row_max = norm_embeddings.new_full((num_rows,), float("-inf"), dtype=torch.float32)
-        return row_max, torch.zeros_like(row_max)
-    return _combine(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+        return row_max, torch.zeros_like(row_max), kept
+    row_max, row_sumexp = _combine(
+        torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    )
+    return row_max, row_sumexp, kept

@@ -1,37 +1,43 @@
-"""The default backward (`TileConfig.backward = "gemm"`): the gradient of the logits is
-written a chunk of classes at a time, and cuBLAS takes the two gradient products.
+"""The backward: the gradient of the logits is formed a chunk of classes at a time, and
+cuBLAS takes the two gradient products.
 
 For each chunk of K_c taking-part classes (`host.chunk_classes`: at most 2^26 logits,
 128 MiB of bf16 at N = 1024, and the forward's bound on the rows), whose rows are rounded
-to the matmul dtype once (`host.chunk_rows`, as the forward rounds them):
+to the matmul dtype as the forward had them (`host.RowSource`):
 
-1. `_grad_logits_kernel`, grid (row blocks, class tiles), on the forward's tiles: each
-   program recomputes its tile's raw dot products <e_i, w_j> (the forward's K-loop, the
-   same fp32 accumulation of matmul-dtype operands), and writes d loss / d <e_i, w_j> =
-   exp(logit - max) g_i s / |w_j| (0 at the row's target and padding) in the matmul dtype:
-   G, (N, K_c). The fused backward rounds the same values to the same dtype before its
-   products, so the two compute the same function.
+1. G, (N, K_c) in the matmul dtype: d loss / d <e_i, w_j> = exp(logit - max) g_i s / |w_j|
+   (0 at the row's target and padding). When the forward kept its exponentials
+   (`forward.KeptLogits`, head.chunk_size None), `_scale_kept_kernel` turns the chunk's
+   columns of them into G in place, one pass over memory (kept * exp(shift_t - max) g s /
+   |w|). Otherwise `_grad_logits_kernel`, grid (row blocks, class tiles), on the forward's
+   tiles, recomputes each tile's raw dot products <e_i, w_j> (the forward's K-loop, the
+   same fp32 accumulation of matmul-dtype operands) and writes G to a chunk's buffer.
 2. grad_e += G @ W_c and U = G^T @ E: two matmuls of the matmul dtype accumulated and
    returned in fp32 (`torch.mm(..., out_dtype=torch.float32)` on a GPU), W_c the chunk's
    rounded rows and E the normalised embeddings rounded likewise.
 3. `_finish_kernel`, grid (row blocks of the chunk,): U holds g / |w| of each row; the
    radial part is removed (<w, U> from the row and U themselves), the target rows' share
    added for a fused update, and the result stored as the weight's gradient or applied as
-   the SGD step (`blocks._finish_rows`, the fused weight-gradient kernel's own epilogue).
+   the SGD step (`blocks._finish_rows`), under the training step's gate. With the head's
+   kept rows (`kept_rows.KeptRows`, fused update) the epilogue also writes the stepped
+   rows' inverse norms and their copy in the matmul dtype, what the next forward reads.
 
-A step then costs 4 N C_local D matmul FLOPs (forward, the recomputation in 1., and the two
-products) where the fused backward's costs 5, and each of them runs at a matmul's full tile
-size rather than the narrow tiles the fused kernels' full-width accumulators leave. What it
-adds is memory traffic, per chunk: G written once and read twice, the chunk's rows rounded
-once, U written and read once - about 1.4 GB per 65,536 classes at N 1024, D 512, a few
-tenths of a millisecond on an H100 - and memory: G, U and the rounded rows of one chunk
-(128 + 128 + 64 MiB there).
+A step then costs three products of N x C_local x D multiply-adds (the forward and the two
+products, 6 N C_local D FLOPs) with the logits kept, four (8 N C_local D) when they are
+recomputed, each at a matmul's full tile size. What it adds is
+memory traffic (`heads/traffic.py` counts it per phase), per chunk: G written once (or the
+kept exponentials read and written) and read twice, U written and read once, the chunk's
+rows rounded unless kept - and memory: U and, recomputing, G and the rounded rows of one
+chunk (128 + 128 + 64 MiB at N 1024, D 512), or, keeping, the exponentials of every class.
 
 Measured on an H200 at 1M classes (N 1024, D 512, bf16; benchmarks/results/
-head_profile-backwards-nvidia-h200.md): a step of 20.2 ms against the fused backward's 53.0
-ms in the same run (20.0 against 50.7 with the fused update), the backward's parts 3.1 ms
-for the gradient-of-logits kernel, 4.7 ms for cuBLAS's products, 2.9 ms for the epilogue
-with the update. At 10M classes with the fused update, 146 ms against 482 ms.
+head_profile-backwards-nvidia-h200.md): a step of 20.2 ms (20.0 with the fused update), the
+backward's parts 3.1 ms for the gradient-of-logits kernel, 4.7 ms for cuBLAS's products,
+2.9 ms for the epilogue with the update; at 10M classes with the fused update, 146 ms. The
+two-kernel fused backward it replaced, which recomputed every tile and never wrote an N x C
+tensor, took 53.0 ms (50.7 with the update) and 482 ms in the same runs: its full-width
+fp32 accumulators (D = 512) left 32x64 tiles at 255 registers, about 105 TFLOP/s, for 5
+N C_local D FLOPs. It was removed.
 
 The chunks run in order, each one's rows updated (fused update) only after its own
 products, so that every product reads the rows as they were at the forward. Without
@@ -47,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from recognition.heads.kernels import forward
 from recognition.heads.kernels.blocks import (
@@ -59,10 +66,11 @@ from recognition.heads.kernels.blocks import (
 from recognition.heads.kernels.host import (
     BackwardInputs,
     chunk_classes,
-    chunk_rows,
+    launch,
     launch_settings,
 )
 from recognition.heads.kernels.tiles import TileConfig, padded_dim
+from recognition.heads.traffic import phase
 
 # Logits per chunk: G holds at most this many values of the matmul dtype (128 MiB in bf16;
 # the rows' chunk of forward.CHUNK_ROW_VALUES bounds it too). A module constant rather than
@@ -72,6 +80,8 @@ CHUNK_LOGITS = 1 << 26
 # warps for each of its few live tiles (U, the rows, the momentum, the result).
 FINISH_VALUES = 8192
 FINISH_WARPS = 8
+# Values of the kept logits per program of the pass that turns them into their gradient.
+SCALE_VALUES = 4096
 
 
 def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
@@ -81,7 +91,7 @@ def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     setting, as the torch path's matmuls do."""
     if a.dtype == torch.float32:
         return a @ b
-    if a.is_cuda:
+    if a.is_cuda or is_fake(a):  # the run planner's fake tensors stand for a GPU's
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
@@ -109,11 +119,36 @@ def _grad_logits_kernel(
 
 
 @triton.jit
+def _scale_kept_kernel(
+    KEPT, TILE_SHIFT, INV_NORM, SHIFT, GRAD_SCALE, num_classes, num_rows, stride_kn,
+    BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # The forward's exp(logit - shift_t) of tile t, turned in place into d loss / d <e, w> =
+    # exp(logit - max) g s / |w| = kept * exp(shift_t - max) g s / |w|: a pass over memory.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < num_rows
+    tile = tl.program_id(1)
+    offs_c = tile * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = offs_c < num_classes
+    shift = tl.load(SHIFT + offs_n, mask=n_mask, other=0.0)
+    grad_scale = tl.load(GRAD_SCALE + offs_n, mask=n_mask, other=0.0)
+    tile_shift = tl.load(TILE_SHIFT + tile.to(tl.int64) * num_rows + offs_n, mask=n_mask, other=0.0)
+    inv_norm = tl.load(INV_NORM + offs_c, mask=c_mask, other=0.0)
+    factor = tl.exp(tile_shift - shift) * grad_scale  # <= |g s|: the tile's max <= the max
+    ptrs = KEPT + offs_n[:, None] * stride_kn + offs_c[None, :]
+    mask = n_mask[:, None] & c_mask[None, :]
+    kept = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    grad = kept * factor[:, None] * inv_norm[None, :]
+    tl.store(ptrs, grad.to(KEPT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _finish_kernel(
-    U, W, ROW_INDEX, INV_NORM, GRAD_W, EXTRA, EXTRA_SLOT, BUF,
-    first, end, dim, stride_wc, stride_gc, norm_limit, lr, momentum, weight_decay,
+    U, W, ROW_INDEX, INV_NORM, GRAD_W, EXTRA, EXTRA_SLOT, BUF, GATE, ROUNDED, NORM_OUT,
+    first, end, dim, stride_wc, stride_gc, norm_limit, eps, lr, momentum, weight_decay,
     HAS_INDEX: tl.constexpr, FUSED: tl.constexpr, HAS_EXTRA: tl.constexpr,
-    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_GATE: tl.constexpr,
+    KEEP_NORMS: tl.constexpr, KEEP_ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
     D_PAD: tl.constexpr,
 ):  # fmt: skip
     offs_c, c_mask, rows, inv_norm = _class_block(
@@ -121,7 +156,7 @@ def _finish_kernel(
     )
     offs_d = tl.arange(0, D_PAD)
     mask = c_mask[None, :] & (offs_d < dim)[:, None]
-    # Transposed, (D_PAD, BLOCK_C), as _finish_rows takes the fused kernel's accumulator.
+    # Transposed, (D_PAD, BLOCK_C): the class rows' gradient tile as _finish_rows takes it.
     u_t = tl.load(U + (offs_c - first)[None, :] * dim + offs_d[:, None], mask=mask, other=0.0)
     w_t = tl.load(W + rows[None, :] * stride_wc + offs_d[:, None], mask=mask, other=0.0)
     dots = tl.sum(u_t * w_t.to(tl.float32), axis=0)  # <w, U>
@@ -130,44 +165,99 @@ def _finish_kernel(
     slot = tl.full((BLOCK_C,), -1, tl.int32)
     if HAS_EXTRA:
         slot = tl.load(EXTRA_SLOT + offs_c, mask=c_mask, other=-1)
-    _finish_rows(
-        u_t, 0, coefficient, W, GRAD_W, EXTRA, BUF, rows, c_mask, slot, dim, stride_wc,
-        stride_gc, lr, momentum, weight_decay, FUSED, HAS_EXTRA, HAS_MOMENTUM, NESTEROV, D_PAD,
+    w32 = _finish_rows(
+        u_t, coefficient, W, GRAD_W, EXTRA, BUF, GATE, rows, c_mask, slot, dim, stride_wc,
+        stride_gc, lr, momentum, weight_decay, FUSED, HAS_EXTRA, HAS_MOMENTUM, NESTEROV,
+        HAS_GATE, D_PAD,
     )  # fmt: skip
+    # What the next step reads of the rows just stepped (fused update): their inverse norms
+    # and their copy in the matmul dtype, so that no pass over the fp32 rows makes them.
+    stepped = c_mask
+    if HAS_GATE:  # closed: the rows did not move, nor does what is kept of them
+        stepped = stepped & (tl.load(GATE) != 0)
+    if KEEP_NORMS:
+        norms = tl.sqrt(tl.sum(w32 * w32, axis=0))
+        tl.store(NORM_OUT + rows, 1.0 / tl.maximum(norms, eps), mask=stepped)
+    if KEEP_ROWS:
+        r_ptrs = ROUNDED + rows[None, :] * dim + offs_d[:, None]
+        tl.store(r_ptrs, w32.to(ROUNDED.dtype.element_ty), mask=mask & stepped[None, :])
 
 
 def backward(inputs: BackwardInputs, tiles: TileConfig) -> tuple[Tensor, Tensor | None]:
     """`margin_softmax_triton.class_stats_backward` by chunks (see the module docstring); the
     recomputation runs on `tiles.forward`."""
     x = inputs
-    weight, num_rows, dim, num_classes = x.weight, x.num_rows, x.dim, x.num_classes
+    num_rows, dim, num_classes = x.num_rows, x.dim, x.num_classes
     grad_w = x.new_grad_weight()
     settings = launch_settings(x.norm_embeddings, x.matmul_dtype, tiles.forward)
-    block_c = tiles.forward.block_c
+    # Chunks of whole tiles: the recomputation's, or the forward's that kept the logits (its
+    # tile shifts go by its tiles).
+    block_c = x.kept.block_c if x.kept is not None else tiles.forward.block_c
     limit = min(CHUNK_LOGITS // max(num_rows, 1), forward.CHUNK_ROW_VALUES // max(dim, 1))
     chunk = chunk_classes(num_classes, block_c, limit)
-    d_pad = padded_dim(dim)
-    finish_block = max(1, FINISH_VALUES // d_pad)
     grad_e = x.norm_embeddings.new_zeros((num_rows, dim), dtype=torch.float32)
-    g = x.norm_embeddings.new_empty((num_rows, chunk), dtype=x.matmul_dtype)  # (N, K_c)
+    g = None
+    if x.kept is None:  # the gradient of the logits, recomputed a chunk at a time
+        g = x.norm_embeddings.new_empty((num_rows, chunk), dtype=x.matmul_dtype)  # (N, K_c)
     for first in range(0, num_classes, chunk):
         end = min(first + chunk, num_classes)
-        rows = chunk_rows(weight, x.row_index, first, end, x.matmul_dtype)  # (K_c, D)
-        g_chunk = g[:, : end - first]
-        grid = (triton.cdiv(num_rows, tiles.forward.block_n), triton.cdiv(end - first, block_c))
-        _grad_logits_kernel[grid](
-            rows, x.mm_embeddings, x.inv_norm[first:end], x.target_pos - first, x.shift,
-            x.grad_scale, g, end - first, num_rows, dim, rows.stride(0),
-            x.mm_embeddings.stride(0), g.stride(0), float(x.scale), **settings,
-        )  # fmt: skip
-        grad_e += mm_fp32(g_chunk, rows)  # (N, D)
-        if not x.want_rows:
-            continue
-        u = mm_fp32(g_chunk.t(), x.mm_embeddings)  # (K_c, D): g / |w| of the chunk's rows
-        _finish_kernel[(triton.cdiv(end - first, finish_block),)](
-            u, weight, x.index_arg, x.inv_norm, *x.update_args(grad_w), first, end, dim,
-            weight.stride(0), grad_w.stride(0) if grad_w is not None else 0,
-            float(x.norm_limit), *x.update_scalars(), **x.update_flags(),
-            BLOCK_C=finish_block, D_PAD=d_pad, num_warps=FINISH_WARPS, num_stages=1,
-        )  # fmt: skip
+        with phase("logit gradient"):
+            rows = x.rows.chunk(first, end)  # (K_c, D), rounded
+            if g is None:
+                g_chunk = _scale_kept(x, first, end)
+            else:
+                g_chunk = _recompute(x, rows, g, first, end, settings)
+        with phase("embedding product"):
+            grad_e += mm_fp32(g_chunk, rows)  # (N, D)
+        del rows
+        if x.want_rows:
+            with phase("row product"):
+                u = mm_fp32(g_chunk.t(), x.mm_embeddings)  # (K_c, D): g / |w| of its rows
+            with phase("update"):
+                _finish(x, u, grad_w, first, end)
     return grad_e, grad_w
+
+
+def _recompute(
+    x: BackwardInputs, rows: Tensor, g: Tensor, first: int, end: int, settings: dict
+) -> Tensor:
+    """The chunk's gradient of the logits, recomputed from its rounded rows into `g`
+    (`_grad_logits_kernel`): (N, K_c) in the matmul dtype, a view of `g`."""
+    num_rows, block_c = x.num_rows, settings["BLOCK_C"]
+    grid = (triton.cdiv(num_rows, settings["BLOCK_N"]), triton.cdiv(end - first, block_c))
+    launch(_grad_logits_kernel, grid,
+        rows, x.mm_embeddings, x.inv_norm[first:end], x.target_pos - first, x.shift,
+        x.grad_scale, g, end - first, num_rows, x.dim, rows.stride(0), x.mm_embeddings.stride(0),
+        g.stride(0), float(x.scale), **settings,
+    )  # fmt: skip
+    return g[:, : end - first]
+
+
+def _scale_kept(x: BackwardInputs, first: int, end: int) -> Tensor:
+    """The chunk's columns of the kept exponentials, turned into the gradient of the logits
+    in place (`_scale_kept_kernel`): (N, K_c) in the matmul dtype."""
+    kept = x.kept
+    g_chunk = kept.probabilities[:, first:end]
+    # A pass over memory: tiles of SCALE_VALUES values, the forward's classes wide (the
+    # tile shifts are per forward tile).
+    block_n = max(16, SCALE_VALUES // kept.block_c)
+    grid = (triton.cdiv(x.num_rows, block_n), triton.cdiv(end - first, kept.block_c))
+    launch(_scale_kept_kernel, grid,
+        g_chunk, kept.tile_shift[first // kept.block_c :], x.inv_norm[first:end], x.shift,
+        x.grad_scale, end - first, x.num_rows, g_chunk.stride(0), BLOCK_C=kept.block_c,
+        BLOCK_N=block_n, num_warps=FINISH_WARPS, num_stages=1,
+    )  # fmt: skip
+    return g_chunk
+
+
+def _finish(x: BackwardInputs, u: Tensor, grad_w: Tensor | None, first: int, end: int) -> None:
+    """`_finish_kernel` over the chunk's rows: their gradient stored or their SGD step, and
+    (fused update) what the next step reads of them."""
+    d_pad = padded_dim(x.dim)
+    finish_block = max(1, FINISH_VALUES // d_pad)
+    launch(_finish_kernel, (triton.cdiv(end - first, finish_block),),
+        u, x.weight, x.index_arg, x.inv_norm, *x.update_args(grad_w), *x.kept_rows_args(),
+        first, end, x.dim, x.weight.stride(0), grad_w.stride(0) if grad_w is not None else 0,
+        float(x.norm_limit), float(x.eps), *x.update_scalars(), **x.update_flags(),
+        BLOCK_C=finish_block, D_PAD=d_pad, num_warps=FINISH_WARPS, num_stages=1,
+    )  # fmt: skip

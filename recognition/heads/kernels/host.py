@@ -1,5 +1,6 @@
-"""Host-side pieces the kernels' wrappers share: launch settings, class splits and chunks,
-rows rounded a chunk at a time, and `BackwardInputs`, what either backward takes.
+"""Host-side pieces the kernels' wrappers share: launches, launch settings, class splits and
+chunks, where the rounded rows come from (`RowSource`), and `BackwardInputs`, what the
+backward takes.
 
 Import this module only when the kernels are needed: it imports triton.
 """
@@ -8,10 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from recognition.heads.kernels.tiles import (
     INTERPRET,
@@ -21,6 +24,15 @@ from recognition.heads.kernels.tiles import (
     input_precision,
     padded_dim,
 )
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """`kernel[grid](*args, **kwargs)`, except on the run planner's fake tensors: they have
+    no memory to run on, and a launch allocates none (the planner counts what the host
+    allocates around it)."""
+    if any(isinstance(arg, Tensor) and is_fake(arg) for arg in args):
+        return
+    kernel[grid](*args, **kwargs)
 
 
 def launch_settings(norm_embeddings: Tensor, matmul_dtype: torch.dtype, tiles: KernelTiles) -> dict:
@@ -66,9 +78,31 @@ def chunk_rows(
 
 
 @dataclass
+class RowSource:
+    """Where the kernels read the taking-part rows from, in the matmul dtype `dtype`:
+    `rounded`, rows rounded beforehand - of every class of the shard, (C_local, D), read
+    through `row_index` (`by_row`), or of the taking-part positions, (K, D) - or, when
+    None, the weight's rows rounded a chunk at a time (`chunk_rows`)."""
+
+    weight: Tensor
+    row_index: Tensor | None
+    dtype: torch.dtype
+    rounded: Tensor | None = None
+    by_row: bool = False
+
+    def chunk(self, first: int, end: int) -> Tensor:
+        """The rows of taking-part positions [first, end), dense (K_c, D) in `dtype`."""
+        if self.rounded is None:
+            return chunk_rows(self.weight, self.row_index, first, end, self.dtype)
+        if self.by_row and self.row_index is not None:
+            return self.rounded.index_select(0, self.row_index[first:end])
+        return self.rounded[first:end]
+
+
+@dataclass
 class BackwardInputs:
-    """What a backward of `forward.class_stats` takes (margin_softmax_triton's
-    `class_stats_backward` says what each is), and what both backwards derive from it."""
+    """What the backward of `forward.class_stats` takes (margin_softmax_triton's
+    `class_stats_backward` says what each is), and what it derives from it."""
 
     norm_embeddings: Tensor
     weight: Tensor
@@ -80,11 +114,17 @@ class BackwardInputs:
     scale: float
     matmul_dtype: torch.dtype
     want_weight: bool = True
-    target_grad: tuple[Tensor, Tensor] | None = None
+    target_grad: Tensor | None = None
     sgd: SGDUpdate | None = None
     norm_limit: float = math.inf
+    rows: RowSource | None = None
+    kept: Any = None  # forward.KeptLogits
+    kept_rows: tuple[Tensor | None, Tensor] | None = None
 
     def __post_init__(self) -> None:
+        if self.rows is None:
+            self.rows = RowSource(self.weight, self.row_index, self.matmul_dtype)
+        self.eps = 1.0 / self.norm_limit  # 0 for an infinite limit
         self.num_rows, self.dim = self.norm_embeddings.shape
         self.num_classes = self.inv_norm.shape[0]
         self.mm_embeddings = self.norm_embeddings.to(self.matmul_dtype)
@@ -98,6 +138,9 @@ class BackwardInputs:
         buffer = self.sgd.momentum_buffer if self.sgd is not None else None
         self.buffer_arg = buffer if buffer is not None else self.inv_norm
         self.extra, self.extra_slot = self._target_share()
+        step_ok = self.sgd.step_ok if self.sgd is not None else None
+        # int32 on the device: the kernel reads it (no host sync).
+        self.gate = step_ok.to(torch.int32).reshape(1) if step_ok is not None else None
 
     @property
     def want_rows(self) -> bool:
@@ -114,24 +157,39 @@ class BackwardInputs:
         return torch.zeros_like(self.weight)
 
     def _target_share(self) -> tuple[Tensor | None, Tensor | None]:
-        """For a fused update: the target rows' gradient (U, D) fp32 and, per taking-part
-        position, its slot there or -1 (the epilogues add it before the step); else None."""
-        target_grad = self.target_grad
-        if self.sgd is None or target_grad is None or target_grad[0].numel() == 0:
+        """For a fused update: the target rows' gradient summed per target row, (N, D) fp32,
+        each sum in the slot of one of the batch's rows that have it as their target, and per
+        taking-part position that slot, or -1 (the epilogue adds it before the step); else
+        None. Static shapes on the device (a scatter, not torch.unique): no host sync."""
+        if self.sgd is None or self.target_grad is None:
             return None, None
-        rows, extra = target_grad
-        positions = rows if self.row_index is None else torch.searchsorted(self.row_index, rows)
-        slot = torch.full((self.num_classes,), -1, dtype=torch.int32, device=self.weight.device)
-        slot[positions] = torch.arange(rows.numel(), dtype=torch.int32, device=rows.device)
-        return extra.float().contiguous(), slot
+        device = self.weight.device
+        owned = self.target_pos >= 0
+        # Rows whose label another rank owns share a spare position past the classes (their
+        # gradient is zero).
+        where = torch.where(owned, self.target_pos.long(), self.num_classes)  # (N,)
+        batch_rows = torch.arange(self.num_rows, dtype=torch.int32, device=device)
+        slot = torch.full((self.num_classes + 1,), -1, dtype=torch.int32, device=device)
+        slot.scatter_reduce_(0, where, batch_rows, "amax")  # the last row with that target
+        extra = torch.zeros_like(self.target_grad, dtype=torch.float32)
+        extra.index_add_(0, slot[where], self.target_grad.float())
+        return extra, slot[: self.num_classes]
 
     def update_args(self, grad_w: Tensor | None) -> tuple:
-        """The epilogue's arguments, in both kernels' order: the gradient to write (or the
-        weight), the target share and its slots, the momentum buffer (placeholders where
-        unread)."""
+        """The epilogue's arguments: the gradient to write (or the weight), the target share
+        and its slots, the momentum buffer, the gate (placeholders where unread)."""
         extra = self.extra if self.extra is not None else self.inv_norm
         slot = self.extra_slot if self.extra_slot is not None else self.target_pos
-        return (grad_w if grad_w is not None else self.weight, extra, slot, self.buffer_arg)
+        gate = self.gate if self.gate is not None else self.target_pos
+        return (grad_w if grad_w is not None else self.weight, extra, slot, self.buffer_arg, gate)
+
+    def kept_rows_args(self) -> tuple[Tensor, Tensor]:
+        """Where a fused update writes what the next step reads of the rows it steps: their
+        copy in the matmul dtype (C_local, D) and their inverse norms (C_local,)
+        (placeholders where not kept)."""
+        rounded, inv_norm = self.kept_rows if self.kept_rows is not None else (None, None)
+        return (rounded if rounded is not None else self.inv_norm,
+                inv_norm if inv_norm is not None else self.inv_norm)  # fmt: skip
 
     def update_scalars(self) -> tuple[float, float, float]:
         """lr, momentum, weight decay of the fused update (zeros without one)."""
@@ -143,10 +201,14 @@ class BackwardInputs:
     def update_flags(self) -> dict[str, bool]:
         """The epilogue's constexprs."""
         sgd = self.sgd
+        kept = self.kept_rows if sgd is not None else None
         return {
             "HAS_INDEX": self.row_index is not None,
             "FUSED": sgd is not None,
             "HAS_EXTRA": self.extra is not None,
             "HAS_MOMENTUM": sgd is not None and sgd.momentum_buffer is not None,
             "NESTEROV": bool(sgd and sgd.nesterov),
+            "HAS_GATE": self.gate is not None,
+            "KEEP_NORMS": kept is not None,
+            "KEEP_ROWS": kept is not None and kept[0] is not None,
         }

@@ -10,14 +10,11 @@ margin and the collectives stay in margin_softmax.py.
 
 One module per pass, over two shared ones:
 
-    tiles.py           KernelTiles, TileConfig (and which backward), the tables, SGDUpdate
+    tiles.py           KernelTiles, TileConfig, the tables, SGDUpdate
     host.py            launch settings, splits, chunks of rounded rows, BackwardInputs
     blocks.py          device code the kernels share: the K-loop, logits, the rows' epilogue
     forward.py         class_stats: max and sum-exp per row; inverse_norms
-    gemm_backward.py   the default backward: the logits' gradient by chunks, cuBLAS products
-    fused_backward.py  the two-kernel backward that recomputes every tile
-
-`class_stats_backward` runs the backward its TileConfig names.
+    gemm_backward.py   the backward: the logits' gradient by chunks, cuBLAS products
 
 Import this module only when the kernels are needed: `triton.jit` reads TRITON_INTERPRET at
 import time.
@@ -30,11 +27,10 @@ import math
 import torch
 from torch import Tensor
 
-from recognition.heads.kernels import fused_backward, gemm_backward
-from recognition.heads.kernels.forward import class_stats, inverse_norms
-from recognition.heads.kernels.host import BackwardInputs
+from recognition.heads.kernels import gemm_backward
+from recognition.heads.kernels.forward import KeptLogits, class_stats, inverse_norms
+from recognition.heads.kernels.host import BackwardInputs, RowSource
 from recognition.heads.kernels.tiles import (
-    BACKWARDS,
     INTERPRET,
     INTERPRETER_TILES,
     OPERAND_KINDS,
@@ -45,13 +41,12 @@ from recognition.heads.kernels.tiles import (
     gpu_tiles,
     input_precision,
     padded_dim,
-    use_backward,
 )
 
 __all__ = [
-    "BACKWARDS", "INTERPRET", "INTERPRETER_TILES", "OPERAND_KINDS", "KernelTiles", "SGDUpdate",
-    "TileConfig", "class_stats", "class_stats_backward", "default_tiles", "gpu_tiles",
-    "input_precision", "inverse_norms", "padded_dim", "use_backward",
+    "INTERPRET", "INTERPRETER_TILES", "OPERAND_KINDS", "KeptLogits", "KernelTiles", "RowSource",
+    "SGDUpdate", "TileConfig", "class_stats", "class_stats_backward", "default_tiles",
+    "gpu_tiles", "input_precision", "inverse_norms", "padded_dim",
 ]  # fmt: skip
 
 
@@ -68,23 +63,31 @@ def class_stats_backward(
     tiles: TileConfig,
     *,
     want_weight: bool = True,
-    target_grad: tuple[Tensor, Tensor] | None = None,
+    target_grad: Tensor | None = None,
     sgd: SGDUpdate | None = None,
     norm_limit: float = math.inf,
+    rows: RowSource | None = None,
+    kept: KeptLogits | None = None,
+    kept_rows: tuple[Tensor | None, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Gradients of sum(grad_sumexp * sum-exp) from `class_stats`'s inputs, by the backward
-    `tiles.backward` names (gemm_backward.py or fused_backward.py).
+    """Gradients of sum(grad_sumexp * sum-exp) from `class_stats`'s inputs (gemm_backward.py).
 
     Returns (d / d norm_embeddings (N, D) fp32, d / d weight (C_local, D) in the weight's
     dtype, zero outside the taking-part rows, or None when `want_weight` is False or `sgd`
-    is given). With `sgd`, each row's gradient - plus the target rows' share
-    `target_grad` = (distinct weight rows (U,), their gradient (U, D) fp32) - is applied to
-    `weight` in place as that SGD step, and no gradient is returned for the weight.
+    is given). With `sgd`, each row's gradient - plus the target rows' share `target_grad`,
+    (N, D) fp32: row i's share of its target row's gradient, 0 where `target_pos` is -1 - is
+    applied to `weight` in place as that SGD step, and no gradient is returned for the
+    weight.
     `norm_limit` = 1 / eps: rows whose inverse norm reaches it keep their radial part.
+    `rows`: where the rounded rows come from, as the forward had them (default: rounded a
+    chunk at a time). `kept`: what `class_stats(keep=True)` returned, which the backward
+    reads (and overwrites: a second backward of the same forward is not possible) instead of
+    recomputing the logits. `kept_rows`, with `sgd`: the head's copy of its rows in the
+    matmul dtype (C_local, D) or None, and their inverse norms (C_local,), which the update
+    keeps current for the rows it steps.
     """
     inputs = BackwardInputs(
         norm_embeddings, weight, row_index, inv_norm, target_pos, row_max, grad_sumexp, scale,
-        matmul_dtype, want_weight, target_grad, sgd, norm_limit,
+        matmul_dtype, want_weight, target_grad, sgd, norm_limit, rows, kept, kept_rows,
     )  # fmt: skip
-    module = gemm_backward if tiles.backward == "gemm" else fused_backward
-    return module.backward(inputs, tiles)
+    return gemm_backward.backward(inputs, tiles)

@@ -28,8 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed import ProcessGroup
 
+from recognition.heads.kept_rows import KeptRows
 from recognition.heads.local_stats import BLOCK_SIZE, LocalClassStats
 from recognition.heads.triton_stats import FusedSGD, TritonClassStats
 from recognition.heads.tuning import measure as measuring
@@ -71,7 +73,8 @@ class StatsInputs:
 @dataclass
 class ShardShape:
     """What the choice and the tiles depend on besides a forward's tensors: the rank's shard
-    (its weight, classes, D), the torch path's chunk size, the ranks that must agree."""
+    (its weight, classes, D), the chunk size (None: keep the logits for backward), the ranks
+    that must agree, and what the Triton path keeps of the rows between fused updates."""
 
     weight: Tensor
     num_local: int
@@ -79,6 +82,7 @@ class ShardShape:
     chunk_size: int | None
     world_size: int
     group: ProcessGroup | None
+    kept_rows: KeptRows | None = None
 
 
 class KernelSelector:
@@ -101,16 +105,21 @@ class KernelSelector:
             self.logger.info(message)
 
     def uses_triton(
-        self, device: torch.device, stats_dtype: torch.dtype, measure: Callable[[], Any]
+        self,
+        device: torch.device,
+        stats_dtype: torch.dtype,
+        measure: Callable[[], Any],
+        planning: bool = False,
     ) -> bool:
         """Whether this forward runs the Triton kernels. For kernel="auto" the answer of
         `measure()` (called once per device type and statistics dtype, on CUDA only) or
-        torch; every choice not asked for is logged once."""
+        torch; every choice not asked for is logged once. `planning`: on the run planner's
+        fake tensors (standing for a GPU's), where the kernels' launches are left out."""
         if self.kernel == "torch":
             return False
         if self.kernel == "auto":
             return self._auto_uses_triton(device, stats_dtype, measure)
-        if device.type != "cuda" and not triton_interpreting():
+        if device.type != "cuda" and not triton_interpreting() and not planning:
             raise ValueError(
                 f"head.kernel=triton: the kernels run on CUDA tensors, got {device.type} "
                 "(or set TRITON_INTERPRET=1 to interpret them on the CPU)"
@@ -135,7 +144,8 @@ class KernelSelector:
         fused update this training forward's backward applies, or None."""
         x = inputs
         device = x.norm_embeddings.device
-        if self.uses_triton(device, compute_dtype, lambda: self.measure(shard, inputs)):
+        planning = is_fake(x.norm_embeddings)
+        if self.uses_triton(device, compute_dtype, lambda: self.measure(shard, inputs), planning):
             if x.matmul_dtype == torch.float64:
                 x = replace(x, matmul_dtype=torch.float32)
             return self._triton_stats(shard, x, fused)
@@ -157,10 +167,10 @@ class KernelSelector:
     def _triton_stats(
         self, shard: ShardShape, x: StatsInputs, fused: FusedSGD | None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        tiles = self.triton_tiles(shard, x, fused)
+        tiles = self.triton_tiles(shard, x)
         return TritonClassStats.apply(
             x.norm_embeddings, shard.weight, x.row_index, x.target_row, x.scale,
-            x.matmul_dtype, fused, tiles,
+            x.matmul_dtype, fused, tiles, shard.chunk_size is None, shard.kept_rows,
         )  # fmt: skip
 
     def _auto_uses_triton(
@@ -230,7 +240,7 @@ class KernelSelector:
         )  # fmt: skip
         return choice
 
-    def triton_tiles(self, shard: ShardShape, inputs: StatsInputs, fused: FusedSGD | None) -> Any:
+    def triton_tiles(self, shard: ShardShape, inputs: StatsInputs) -> Any:
         """The kernels' TileConfig for this forward's shapes (timed on a GPU: tile_tuning)."""
         tile_tuning = importlib.import_module("recognition.heads.tuning.tiles")
         norm_embeddings, row_index = inputs.norm_embeddings, inputs.row_index
@@ -241,7 +251,7 @@ class KernelSelector:
             weight_dtype=shard.weight.dtype,
             matmul_dtype=inputs.matmul_dtype,
             has_index=row_index is not None,
-            update=fused.kind if fused is not None else "none",
+            keeps_logits=shard.chunk_size is None,
         )
         return tile_tuning.tiles_for(norm_embeddings.device, shape, self.cache)
 

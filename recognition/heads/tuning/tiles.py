@@ -1,24 +1,23 @@
 """The Triton head kernels' tiles, chosen by timing among those that fit.
 
-`margin_softmax_triton.gpu_tiles` holds, per padded embedding size and operand kind, tiles
-that ptxas showed to fit an H100 (sm_90) without spilling registers (`python -m
-benchmarks.head_kernel_resources`): they bound what fits, not what is fastest. On a GPU each
-kernel (forward, embedding gradient, weight gradient) is timed here at the run's shapes
-with each of its candidates - the table's tiles and their neighbours (one more pipeline
-stage, half the class or row block, more warps, a wider step over D, ...) whose register
-footprint (`footprint`: the fp32 values per thread of the tiles a program keeps live) is no
-larger than the table's, so that they fit where it fits - and the fastest is kept: in
-memory for the process, and in the tuning cache (`tuning/measure.py`, file
-`head-tiles.json`) for later runs, with every candidate's time. A candidate that does not
-launch (more shared memory than the GPU offers: Triton raises OutOfResources) or fails
+`margin_softmax_triton.gpu_tiles` holds, per operand kind, the forward's tiles that ptxas
+showed to fit an H100 (sm_90) without spilling registers (`python -m
+benchmarks.head_kernel_resources`): they bound what fits, not what is fastest. On a GPU the
+forward kernel the run uses (whose tiles the backward's gradient-of-logits kernel runs on
+too; or the forward that keeps its logits, `forward_keep`) is timed here at the run's
+shapes with each of its candidates - the table's tiles and, for the forward on half
+operands, larger tiles ptxas showed to fit on rounded rows (`ROUNDED_FORWARD`), else their
+neighbours (one more pipeline stage, half the class or row block, more warps, a wider step
+over D, ...) whose register footprint (`footprint`: the fp32 values per thread of the tiles
+a program keeps live) is no larger than the table's - and the fastest is kept: in memory
+for the process, and in the tuning cache (`tuning/measure.py`, file `head-tiles.json`) for
+later runs, with every candidate's time. A candidate that does
+not launch (more shared memory than the GPU offers: Triton raises OutOfResources) or fails
 otherwise is dropped; the table's tiles stay when no candidate runs.
 
-The timing runs on scratch tensors of the run's N, D, dtypes and variant (partial-FC row
-index, deterministic reduction, the fused update's momentum and Nesterov) with at most
-TUNE_CLASSES classes, enough programs to fill the GPU many times over, so that the weight
-and its optimizer state are never touched. The kernels are tuned one at a time, the other
-two at the table's tiles (a kernel's time does not depend on the others' tiles): at most
-3 x MAX_CANDIDATES compilations, once per device, shape and Triton version.
+The timing runs on scratch tensors of the run's N, D and dtypes with at most TUNE_CLASSES
+classes, enough programs to fill the GPU many times over, so that the weight is never
+touched: at most MAX_CANDIDATES compilations, once per device, shape and Triton version.
 
 Not tuned: on the CPU (the interpreter runs its own large tiles, and timing it means
 nothing), and problems under MIN_TUNED_WORK (N x classes x D), where a step takes
@@ -41,11 +40,12 @@ from recognition.heads.tuning import measure
 
 logger = logging.getLogger(__name__)
 
-KERNEL_NAMES = ("forward", "grad_embeddings", "grad_weight")
-MAX_CANDIDATES = 6  # per kernel, the table's tiles included
+# The kernels whose tiles are tuned: the forward, and the forward keeping its logits (a run
+# uses one of the two and tunes that one).
+KERNEL_NAMES = ("forward", "forward_keep")
+MAX_CANDIDATES = 6  # the table's tiles included
 TUNE_CLASSES = 1 << 17  # scratch classes (fewer when the run has fewer)
 MIN_TUNED_WORK = 1 << 30  # N x classes x D below which the table's tiles are used untimed
-UPDATES = ("none", "sgd", "momentum", "nesterov")
 SCALE = 64.0  # the logit scale s of the scratch problem
 
 # Tiles chosen in this process, by cache key (a kernel's), and whole TileConfigs by launch
@@ -62,8 +62,7 @@ def _kernels() -> ModuleType:
 class TuneShape:
     """What the tiles are tuned for: N rows of the global batch, embedding size D, classes
     taking part on this rank, the weight and matmul dtypes, whether a partial-FC row index
-    is used, and the update the weight-gradient kernel applies ("none": it writes the
-    gradient; "sgd", "momentum", "nesterov": the fused SGD step)."""
+    is used, whether the forward keeps its logits for the backward."""
 
     num_rows: int
     dim: int
@@ -71,11 +70,12 @@ class TuneShape:
     weight_dtype: torch.dtype
     matmul_dtype: torch.dtype
     has_index: bool = False
-    update: str = "none"
+    keeps_logits: bool = False
 
-    def __post_init__(self) -> None:
-        if self.update not in UPDATES:
-            raise ValueError(f"TuneShape.update: one of {UPDATES}, got {self.update!r}")
+    @property
+    def kernel(self) -> str:
+        """The kernel whose tiles a launch of this shape uses."""
+        return "forward_keep" if self.keeps_logits else "forward"
 
 
 def describe(tiles) -> str:
@@ -83,30 +83,21 @@ def describe(tiles) -> str:
     return f"{tiles.block_c}x{tiles.block_n}x{tiles.block_d} w{tiles.num_warps} s{tiles.num_stages}"
 
 
-def footprint(kernel: str, d_pad: int, tiles) -> float:
-    """fp32 values per thread of the tiles one program of `kernel` keeps live: the logits
-    tile (rows x classes) and the operand tiles of its D loop in every kernel, plus the
-    backward's full-width accumulator and second operand - (rows, D) and (classes, D) for
-    the embedding gradient, (D, classes) and (D, rows) for the weight gradient. A proxy for
-    registers: tiles with no larger a footprint than tiles that fit, fit."""
+def footprint(d_pad: int, tiles) -> float:
+    """fp32 values per thread of the tiles one program of the forward keeps live: the logits
+    tile (rows x classes) and the operand tiles of its D loop. A proxy for registers: tiles
+    with no larger a footprint than tiles that fit, fit."""
     c, n, step = tiles.block_c, tiles.block_n, min(tiles.block_d, d_pad)
-    values = n * c + (n + c) * step
-    if kernel == "grad_embeddings":
-        values += n * d_pad + c * d_pad
-    elif kernel == "grad_weight":
-        values += d_pad * c + d_pad * n
-    elif kernel != "forward":
-        raise ValueError(f"footprint: unknown kernel {kernel!r}")
-    return values / (32 * tiles.num_warps)
+    return (n * c + (n + c) * step) / (32 * tiles.num_warps)
 
 
-def candidates(kernel: str, d_pad: int, table, limit: int | None = None) -> list:
+def candidates(d_pad: int, table, limit: int | None = None) -> list:
     """The table's tiles first, then the neighbours that fit (valid for the compiler, a D
     step within D, a footprint no larger than the table's), fewest changes first, at most
     `limit` (default MAX_CANDIDATES) in all."""
     kernels = _kernels()
     limit = MAX_CANDIDATES if limit is None else limit
-    bound = footprint(kernel, d_pad, table)
+    bound = footprint(d_pad, table)
     options = []
     # Each axis: the table's value first, then the changes in the order they are tried.
     for block_c in (table.block_c, table.block_c // 2, table.block_c * 2):
@@ -124,7 +115,7 @@ def candidates(kernel: str, d_pad: int, table, limit: int | None = None) -> list
             tiles.check("candidate")
         except ValueError:
             continue
-        if tiles.block_d > max(d_pad, 16) or footprint(kernel, d_pad, tiles) > bound:
+        if tiles.block_d > max(d_pad, 16) or footprint(d_pad, tiles) > bound:
             continue
         if tiles not in chosen:
             chosen.append(tiles)
@@ -148,7 +139,7 @@ def rounded_forward_candidates(table_tiles, matmul_dtype: torch.dtype, d_pad: in
     rule's `candidates`."""
     kernels = _kernels()
     if matmul_dtype not in (torch.bfloat16, torch.float16):
-        return candidates("forward", d_pad, table_tiles)
+        return candidates(d_pad, table_tiles)
     options = [table_tiles] + [
         kernels.KernelTiles(*values) for values in ROUNDED_FORWARD if values[2] <= d_pad
     ]
@@ -191,8 +182,8 @@ def tiles_for(
         return _CONFIGS[launch]
     timer = timer or (lambda run: measure.time_steps(run, device, repeats=5))
     chosen, problem = {}, None
-    for name in tuned_kernels(table):
-        key = tile_key(name, device, shape, table.backward)
+    for name in [shape.kernel]:
+        key = tile_key(name, device, shape)
         text = measure.key_text(key)
         tiles = _TUNED.get(text)
         if tiles is None:
@@ -211,18 +202,10 @@ def tiles_for(
     return _CONFIGS[launch]
 
 
-def tuned_kernels(table) -> tuple[str, ...]:
-    """The kernels whose tiles a launch with `table` uses: all three with the fused backward;
-    with the GEMM backward only the forward's (its gradient-of-logits kernel runs on them)."""
-    return KERNEL_NAMES if table.backward == "fused" else ("forward",)
-
-
-def tile_key(kernel: str, device: torch.device, shape: TuneShape, backward: str = "gemm") -> dict:
-    """What one kernel's tiles are cached under: device, versions and the shapes (and the
-    variant) that kernel's time depends on. The forward's depend on the backward: with the
-    GEMM one it reads class rows rounded beforehand, with the fused one the raw rows (a
-    different kernel for the compiler, with other tiles to try)."""
-    key = {
+def tile_key(kernel: str, device: torch.device, shape: TuneShape) -> dict:
+    """What one kernel's tiles are cached under: device, versions and the shapes that
+    kernel's time depends on."""
+    return {
         "kernel": kernel,
         "device": measure.device_name(device),
         **measure.software_versions(),
@@ -232,14 +215,8 @@ def tile_key(kernel: str, device: torch.device, shape: TuneShape, backward: str 
         "weight": str(shape.weight_dtype).removeprefix("torch."),
         "operands": operand_kind(device, shape.matmul_dtype),
         "row_index": shape.has_index,
+        "class_rows": "rounded",
     }
-    if kernel == "forward":
-        key["class_rows"] = "rounded" if backward == "gemm" else "raw"
-    if kernel == "grad_embeddings":
-        key["deterministic"] = torch.are_deterministic_algorithms_enabled()
-    if kernel == "grad_weight":
-        key["update"] = shape.update
-    return key
 
 
 def _cached_tiles(cache: measure.TuningCache | None, key: dict):
@@ -255,16 +232,17 @@ def _cached_tiles(cache: measure.TuningCache | None, key: dict):
 def tune_kernel(
     name: str, problem: ScratchProblem, table, timer: Callable, options: list | None = None
 ) -> tuple[object, list[dict]]:
-    """Time kernel `name` with each candidate (`options`, default `candidates`), the other
-    kernels at the table's tiles. Returns the fastest tiles (the table's when none ran) and
-    every candidate's {"tiles", "ms", "error"}."""
+    """Time kernel `name` with each candidate (`options`, default
+    `rounded_forward_candidates` for the forward, the footprint rule's `candidates` for the
+    forward keeping its logits, whose larger tiles spill). Returns the fastest tiles (the
+    table's when none ran) and every candidate's {"tiles", "ms", "error"}."""
     kernels = _kernels()
     table_tiles = getattr(table, name)
-    if options is None and name == "forward" and table.backward == "gemm":
-        d_pad = kernels.padded_dim(problem.shape.dim)
-        options = rounded_forward_candidates(table_tiles, problem.shape.matmul_dtype, d_pad)
+    d_pad = kernels.padded_dim(problem.shape.dim)
+    if options is None and name == "forward_keep":
+        options = candidates(d_pad, table_tiles)
     if options is None:
-        options = candidates(name, kernels.padded_dim(problem.shape.dim), table_tiles)
+        options = rounded_forward_candidates(table_tiles, problem.shape.matmul_dtype, d_pad)
     timings, best, best_s = [], table_tiles, None
     for tiles in options:
         config = dataclasses.replace(table, **{name: tiles})
@@ -300,8 +278,7 @@ def _fmt_ms(ms: float | None) -> str:
 
 class ScratchProblem:
     """Tensors of `shape` (at most TUNE_CLASSES classes) on `device` to time the kernels on:
-    random unit embeddings, N(0, 0.01) class rows, half the rows owning a target, and for
-    the fused update its own momentum buffer and the target rows' share."""
+    random unit embeddings, N(0, 0.01) class rows, half the rows owning a target."""
 
     def __init__(self, device: torch.device, shape: TuneShape) -> None:
         kernels = _kernels()
@@ -325,34 +302,11 @@ class ScratchProblem:
         self.target_pos = target.to(device)
         eps = max(1e-12, torch.finfo(shape.weight_dtype).tiny)
         self.inv_norm = kernels.inverse_norms(self.weight, self.row_index, eps)
-        # The scale s bounds every logit: exp(logit - s) <= 1, nothing overflows.
-        self.row_max = torch.full((shape.num_rows,), SCALE, device=device)
-        self.grad_sumexp = torch.full((shape.num_rows,), 1.0 / shape.num_rows, device=device)
-        self.sgd, self.target_grad = None, None
-        if shape.update != "none":
-            momentum = 0.0 if shape.update == "sgd" else 0.9
-            buffer = None
-            if momentum:
-                buffer = torch.zeros(num_weight_rows, shape.dim, device=device)
-            nesterov = shape.update == "nesterov"
-            # lr 0: the kernel loads, updates and stores the rows as in training, but their
-            # values (and so the inverse norms above) stay put from one timed run to the next.
-            self.sgd = kernels.SGDUpdate(0.0, momentum, 5e-4, nesterov, buffer)
-            positions = torch.unique(target[target >= 0]).to(device)
-            rows = positions if self.row_index is None else self.row_index[positions]
-            self.target_grad = (rows, torch.zeros(rows.numel(), shape.dim, device=device))
 
     def run(self, name: str, tiles) -> None:
-        """One launch of kernel `name` (the backward's: with the embedding gradient's first)
-        at `tiles`."""
-        kernels = _kernels()
+        """One launch of kernel `name` (the forward, keeping its logits or not) at `tiles`."""
+        if name not in KERNEL_NAMES:
+            raise ValueError(f"ScratchProblem.run: unknown kernel {name!r}")
         common = (self.embeddings, self.weight, self.row_index, self.inv_norm, self.target_pos)
-        if name == "forward":
-            kernels.class_stats(*common, SCALE, self.shape.matmul_dtype, tiles)
-            return
-        kernels.class_stats_backward(
-            *common, self.row_max, self.grad_sumexp, SCALE, self.shape.matmul_dtype, tiles,
-            want_weight=name == "grad_weight",
-            target_grad=self.target_grad if name == "grad_weight" else None,
-            sgd=self.sgd if name == "grad_weight" else None,
-        )  # fmt: skip
+        keep = name == "forward_keep"
+        _kernels().class_stats(*common, SCALE, self.shape.matmul_dtype, tiles, keep=keep)

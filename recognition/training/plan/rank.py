@@ -31,9 +31,10 @@ workspaces), the CUDA context (outside the allocator), allocator fragmentation (
 headroom kept free), `train.compile` (planned eager). Data-dependent sizes (the rows of
 the batch whose label a rank owns, partial FC's positives and the rows its optimizer
 steps) are planned at their largest. DDP's gradient buckets (a flat copy of the
-backbone's or stage's gradients) are allocated as DDP does. Not planned yet (refused with
-the reason): the Triton head. The step-time bound of a pipeline's rank is that of its own
-stage's work, without the schedule's bubble.
+backbone's or stage's gradients) are allocated as DDP does. The Triton head's host code
+runs on the fake tensors as on a GPU's, its kernel launches left out (they allocate
+nothing). The step-time bound of a pipeline's rank is that of its own stage's work, without
+the schedule's bubble.
 """
 
 from __future__ import annotations
