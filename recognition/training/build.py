@@ -272,15 +272,16 @@ def build(
     )
     memory_format = torch.channels_last if cfg.data.channels_last else torch.preserve_format
     loader = _build_loader(cfg, dist_info, source, batches, layout, data.decode, memory_format)
+    total_steps = cfg.train.epochs * steps_per_epoch
     # A resumed run's weights and rows come from its checkpoint: nothing to start from.
     start = None
     if cfg.train.init_backbone is not None and not resuming:
-        start = partial(start_from_file, cfg, dist_info, source, init)
+        last = min(total_steps, cfg.train.max_steps or total_steps)
+        start = partial(start_from_file, cfg, dist_info, source, init, last)
     elif cfg.train.init_backbone is not None:
         log.info("train.init_backbone: not loaded, the run resumes from its checkpoint")
     parts = build_model(cfg, dist_info, source.num_classes, layout, memory_format, start=start)
     optimizer = parts.optimizer
-    total_steps = cfg.train.epochs * steps_per_epoch
     warmup_steps = round(cfg.optim.warmup_epochs * steps_per_epoch)
     scheduler = build_scheduler(optimizer, total_steps, warmup_steps, cfg.optim, steps_per_epoch)
     progress = Progress(
