@@ -138,6 +138,7 @@ def run_seed(
         f"train.epochs={args.epochs}",
         f"optim.lr={args.lr}",
         "optim.warmup_epochs=0",
+        *args.finetune_overrides,
     ]
     chosen = variants(work / "pretrain" / "backbone.pt", steps_per_epoch)
     unknown = [v for v in names if v not in chosen]
@@ -267,6 +268,7 @@ def main(args: argparse.Namespace) -> int:
             "batch_size": args.batch_size,
             "epochs": args.epochs,
             "lr": args.lr,
+            "finetune_overrides": args.finetune_overrides,
             "steps": data.sizes.finetune_images // args.batch_size * args.epochs,
         },
         "seeds": per_seed,
@@ -295,4 +297,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pretrain-epochs", type=int, default=8)
     parser.add_argument("--lr", type=float, default=0.1, help="fine-tuning learning rate")
     parser.add_argument("--variants", nargs="+", default=None, help="run only these")
+    parser.add_argument(
+        "--finetune-overrides",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="added to every fine-tuning run (e.g. data.augment=face)",
+    )
     parser.add_argument("--once", nargs="+", default=None, help="these too, on the first seed only")
