@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageFilter
 
+from benchmarks import finetune_real
 from benchmarks.common import REPO_ROOT, log_tail, run_command
 from benchmarks.table import machine, print_table, write_json
 
@@ -188,10 +189,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", type=int, default=3, help="training images per identity")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per training run")
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds per training run (900; --root: 7200)"
+    )
     parser.add_argument("--work", type=Path, default=None, help="keep the runs here")
     parser.add_argument("--json", type=Path, default=None)
+    finetune_real.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.root is not None:
+        args.timeout = args.timeout or 7200.0
+        return finetune_real.main(args)
+    args.timeout = args.timeout or 900.0
     if args.work is not None:
         args.work.mkdir(parents=True, exist_ok=True)
         result = run(args, args.work)

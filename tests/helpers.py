@@ -145,3 +145,24 @@ def wait_until(found, processes: list, timeout: float, what: str):
     for p in processes:
         p.kill()
     raise AssertionError(f"{what} after {timeout} s")
+
+
+def plain_pair_statistics(embeddings, labels) -> dict[str, float]:
+    """Mean and population std of the cosines of every same-label and every different-label
+    pair i < j of `embeddings` (N, D), normalised here; a plain float64 loop over the pairs."""
+    x = np.asarray(embeddings, dtype=np.float64)
+    x = x / np.linalg.norm(x, axis=1, keepdims=True)
+    labels = np.asarray(labels)
+    same: list[float] = []
+    different: list[float] = []
+    for i in range(len(x)):
+        for j in range(i + 1, len(x)):
+            (same if labels[i] == labels[j] else different).append(float(x[i] @ x[j]))
+    return {
+        "same_mean": float(np.mean(same)),
+        "same_std": float(np.std(same)),
+        "different_mean": float(np.mean(different)),
+        "different_std": float(np.std(different)),
+        "num_same_pairs": len(same),
+        "num_different_pairs": len(different),
+    }

@@ -166,19 +166,24 @@ class WithoutClass(torch.utils.data.Dataset):
         return self.source[int(self.keep[index])]
 
 
-def reference_centroids(cfg, source) -> dict[int, torch.Tensor]:
+def reference_centroids(cfg, source) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
     """Per class: the normalised mean of its images' normalised float64 embeddings, one
-    image at a time (a plain loop, in float64)."""
+    image at a time (a plain loop, in float64); and the pair statistics of those embeddings
+    (`helpers.plain_pair_statistics`)."""
     backbone = backbone_from_config(cfg.model, cfg.data.image_hw)
     load_init_backbone(backbone, cfg)
     backbone = backbone.double().eval()
     sums: dict[int, torch.Tensor] = {}
+    embeddings, labels = [], []
     with torch.no_grad():
         for index in range(len(source)):
             image, label = source[index]
             embedding = backbone(image[None].double())[0]
             sums[label] = sums.get(label, 0) + embedding / embedding.norm()
-    return {label: total / total.norm() for label, total in sums.items()}
+            embeddings.append(embedding.numpy())
+            labels.append(label)
+    pairs = helpers.plain_pair_statistics(np.stack(embeddings), labels)
+    return {label: total / total.norm() for label, total in sums.items()}, pairs
 
 
 def _centroid_rank(rank: int, world_size: int, port: int, cfg, reference_path: str) -> None:
@@ -201,8 +206,10 @@ def check_centroids(rank: int, world_size: int, cfg, reference_path: str) -> Non
     random_rows = head.weight.detach().clone()
     # Batches of 5: classes of 6 images straddle batches.
     info = DistInfo(rank, rank, world_size, torch.device("cpu"))
-    init_centroids(backbone, head, source, info, batch_size=5, progress=False)
-    reference = torch.load(reference_path, weights_only=True)
+    separation = init_centroids(backbone, head, source, info, batch_size=5, progress=False)
+    reference, pairs = torch.load(reference_path, weights_only=True)
+    # Over every rank's images, the same on each (each rank embedded its own classes').
+    assert dataclasses.asdict(separation) == pytest.approx(pairs, rel=1e-5, abs=1e-6)
     for row in range(head.num_local):
         label = head.class_start + row
         got = head.weight[row].detach().double()
@@ -215,10 +222,11 @@ def check_centroids(rank: int, world_size: int, cfg, reference_path: str) -> Non
 def saved_reference(image_folder: Path, pretrained: Path, tmp_path: Path):
     """The config of the centroid checks and the file of their reference rows."""
     cfg = tiny_config(image_folder, tmp_path / "run", f"train.init_backbone={pretrained}")
-    reference = reference_centroids(cfg, WithoutClass(build_train_dataset(cfg.data), DROPPED))
+    source = WithoutClass(build_train_dataset(cfg.data), DROPPED)
+    reference, pairs = reference_centroids(cfg, source)
     assert sorted(reference) == [c for c in range(12) if c != DROPPED]
     path = tmp_path / "reference.pt"
-    torch.save(reference, path)
+    torch.save((reference, pairs), path)
     return cfg, path
 
 

@@ -39,7 +39,6 @@ from recognition.data.build import (
 from recognition.data.sampler import EpochBatches
 from recognition.data.source import TrainSource
 from recognition.data.synthetic import ensure_synthetic_dataset
-from recognition.data.teacher_table import TeacherTable
 from recognition.distributed import DistInfo
 from recognition.evaluation.targets import check_training_targets, run_targets
 from recognition.heads import ShardedMarginSoftmax, build_head
@@ -276,21 +275,21 @@ def build(
         data.sampler, cfg.train.batch_size, steps_per_epoch * cfg.train.accumulate_steps
     )
     memory_format = torch.channels_last if cfg.data.channels_last else torch.preserve_format
-    table = distill.table if distill is not None else None  # cached teacher embeddings
     loader = _build_loader(
-        cfg, dist_info, source, batches, layout, data.decode, memory_format, table
+        cfg, dist_info, source, batches, layout, data.decode, memory_format, distill
     )
+    total_steps = cfg.train.epochs * steps_per_epoch
     # A resumed run's weights and rows come from its checkpoint: nothing to start from.
     start = None
     if cfg.train.init_backbone is not None and not resuming:
-        start = partial(start_from_file, cfg, dist_info, source, init)
+        last = min(total_steps, cfg.train.max_steps or total_steps)
+        start = partial(start_from_file, cfg, dist_info, source, init, last)
     elif cfg.train.init_backbone is not None:
         log.info("train.init_backbone: not loaded, the run resumes from its checkpoint")
     parts = build_model(
         cfg, dist_info, source.num_classes, layout, memory_format, start=start, distill=distill
     )
     optimizer = parts.optimizer
-    total_steps = cfg.train.epochs * steps_per_epoch
     warmup_steps = round(cfg.optim.warmup_epochs * steps_per_epoch)
     scheduler = build_scheduler(optimizer, total_steps, warmup_steps, cfg.optim, steps_per_epoch)
     progress = Progress(
@@ -412,8 +411,9 @@ def _build_loader(
     layout: PipelineLayout | None,
     decode: Literal["cpu", "gpu"],
     memory_format: torch.memory_format,
-    targets: TeacherTable | None,
+    distill: Distillation | None,
 ) -> Iterable[tuple[torch.Tensor, ...]]:
+    targets = distill.table if distill is not None else None  # cached teacher embeddings
     # Its own generator: creating the iterator must not draw from the global RNG, or a run
     # resumed mid-epoch would see different dropout / sampling draws.
     generator = torch.Generator().manual_seed(cfg.seed + dist_info.rank)

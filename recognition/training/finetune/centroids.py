@@ -34,6 +34,7 @@ from recognition.data.source import TrainSource
 from recognition.data.workers import exit_with_parent
 from recognition.distributed import DistInfo
 from recognition.heads.margin_softmax import ShardedMarginSoftmax
+from recognition.training.finetune.separation import PairMoments, Separation
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +58,11 @@ def init_centroids(
     num_workers: int = 0,
     memory_format: torch.memory_format = torch.preserve_format,
     progress: bool = True,
-) -> None:
+) -> Separation:
     """Set this rank's class rows of `head` to their classes' centroids (collective: the
-    counts of the log line are summed over ranks).
+    counts of the log line are summed over ranks); returns how well the backbone's
+    features separate the classes (`recognition.training.finetune.separation`, over every rank's
+    images, the same on every rank), measured on the embeddings of this pass.
 
     A row becomes the mean of its images' L2-normalised embeddings, normalised to length 1.
     The head compares directions only, but the length sets how fast a row turns (the
@@ -80,6 +83,7 @@ def init_centroids(
     backbone.eval()
     device, weight = dist_info.device, head.weight
     filled = 0
+    moments = PairMoments(head.embedding_size, device)
     open_label, open_sum = -1, None  # the class whose images may go on in the next batch
     bar = tqdm(
         total=len(indices),
@@ -97,7 +101,9 @@ def init_centroids(
         for images, labels in loader:
             images = images.to(device, memory_format=memory_format)
             embeddings = F.normalize(backbone(images).double(), dim=1)  # (B, D)
-            uniq, inverse = torch.unique_consecutive(labels.to(device), return_inverse=True)
+            labels = labels.to(device)
+            moments.update(embeddings, labels)
+            uniq, inverse = torch.unique_consecutive(labels, return_inverse=True)
             sums = torch.zeros(len(uniq), embeddings.shape[1], dtype=torch.float64, device=device)
             sums.index_add_(0, inverse, embeddings)  # (U, D): the batch's classes
             first = int(uniq[0])
@@ -114,9 +120,17 @@ def init_centroids(
     finally:
         bar.close()
         backbone.train(was_training)
-    counts = torch.tensor([len(indices), filled, head.num_local], dtype=torch.int64)
-    counts = distributed.all_reduce_tensor_sum(counts.to(device)).cpu().tolist()
-    num_images, num_filled, num_classes = (int(c) for c in counts)
+    log_counts(len(indices), filled, head.num_local, device)
+    return moments.finish()
+
+
+def log_counts(num_images: int, num_filled: int, num_classes: int, device: torch.device) -> None:
+    """Log the pass's images, rows set and classes without images, summed over ranks
+    (collective)."""
+    counts = torch.tensor([num_images, num_filled, num_classes], dtype=torch.int64)
+    num_images, num_filled, num_classes = (
+        int(c) for c in distributed.all_reduce_tensor_sum(counts.to(device)).cpu().tolist()
+    )
     log.info(
         "head.init=centroids: %d class rows from %d images; %d classes with no image keep "
         "their random row",

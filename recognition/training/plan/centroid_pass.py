@@ -1,10 +1,11 @@
 """The memory of head.init=centroids's pass before step 1, for the run planner.
 
-The pass (`recognition.training.finetune.centroids`) runs before the precision level casts the model
-and before the optimizer exists: the fp32 backbone in eval mode, the fp32 shard of class
-rows, one batch of images through the backbone under no_grad, and its float64 embeddings and
-per-class sums. Planned like the step: built and run on fake tensors while `TensorMemory`
-counts what each op would allocate.
+The pass (`recognition.training.finetune.centroids`) runs before the precision level casts
+the model and before the optimizer exists: the fp32 backbone in eval mode, the fp32 shard of
+class rows, one batch of images through the backbone under no_grad, and its float64
+embeddings, per-class sums and pair moments (`recognition.training.finetune.separation`).
+Planned like the step: built and run on fake tensors while `TensorMemory` counts what each
+op would allocate.
 """
 
 from __future__ import annotations
@@ -38,4 +39,12 @@ def plan_centroid_pass(
         torch.zeros(batch, dim, dtype=torch.float64).index_add_(
             0, torch.zeros(batch, dtype=torch.int64), embeddings
         )
+        # The pair moments (recognition.training.finetune.separation): G and the open class's M
+        # (D x D float64 each, held through the pass), the batch's G term, Gram matrix and
+        # its square (the sums above stand for the moments' own).
+        moments = [torch.zeros(dim, dim, dtype=torch.float64) for _ in range(2)]
+        moments.append(embeddings.T @ embeddings)
+        gram = embeddings @ embeddings.T  # (B, B)
+        squares = gram * gram
+        del moments, gram, squares
     return memory.peak
