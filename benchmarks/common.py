@@ -8,6 +8,8 @@ import os
 import re
 import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -49,3 +51,16 @@ def exit_after_last_line(output: str, wall_s: float) -> float | None:
     teardown (a loader whose workers outlive the run shows here); None without the line."""
     found = _EXIT_LINE.findall(output)
     return None if not found else max(0.0, wall_s - float(found[-1]))
+
+
+def train_run(out: Path, overrides: list[str], timeout_s: float | None) -> float:
+    """`python train.py` with `overrides` into `out` (its log beside it, `out`.log); the wall
+    seconds it took. Raises RuntimeError with the log's tail when it fails or times out."""
+    log = out.parent / f"{out.name}.log"
+    command = [sys.executable, str(REPO_ROOT / "train.py"), f"output_dir={out}", *overrides]
+    start = time.perf_counter()
+    code, timed_out = run_command(command, log, timeout_s)
+    if code != 0 or timed_out:
+        tail = "\n".join(log_tail(log))
+        raise RuntimeError(f"{' '.join(command)} failed ({code}, timed out {timed_out}):\n{tail}")
+    return time.perf_counter() - start

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT, log_tail, run_command
+from benchmarks.common import train_run
 from benchmarks.table import machine, print_table, write_json, write_text
 
 HOLDOUT_TARGET = "holdout"
@@ -68,17 +68,6 @@ def student_overrides(args: argparse.Namespace, seed: int) -> list[str]:
         f"seed={seed}",
         f"optim.weight_decay={args.weight_decay}",
     ]
-
-
-def train(out: Path, overrides: list[str], timeout_s: float) -> float:
-    """`python train.py` of the default config with `overrides` into `out`; wall seconds."""
-    command = [sys.executable, str(REPO_ROOT / "train.py"), f"output_dir={out}", *overrides]
-    start = time.perf_counter()
-    code, timed_out = run_command(command, out.parent / f"{out.name}.log", timeout_s)
-    if code != 0 or timed_out:
-        tail = "\n".join(log_tail(out.parent / f"{out.name}.log"))
-        raise RuntimeError(f"{' '.join(command)} failed ({code}, timed out {timed_out}):\n{tail}")
-    return time.perf_counter() - start
 
 
 def held_out(run_dir: Path) -> dict[str, Any]:
@@ -115,7 +104,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     teacher: dict[str, Any] = {"path": str(args.teacher) if args.teacher else None}
     if args.teacher is None:
         out = work / "teacher"
-        teacher["wall_s"] = train(
+        teacher["wall_s"] = train_run(
             out,
             [*common, f"model.backbone={args.teacher_backbone}",
              f"model.width={args.teacher_width}", f"train.epochs={args.teacher_epochs}",
@@ -132,7 +121,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     for seed in args.seeds:
         for name, extra in variants:
             out = work / f"{name.replace(' ', '_').replace(',', '')}_seed{seed}"
-            wall = train(out, [*common, *student_overrides(args, seed), *extra], args.timeout)
+            wall = train_run(out, [*common, *student_overrides(args, seed), *extra], args.timeout)
             row = {"variant": name, "seed": seed, "wall_s": wall, **held_out(out)}
             row["teacher_pass_s"] = teacher_pass_s(out)
             rows.append(row)

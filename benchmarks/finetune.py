@@ -32,7 +32,7 @@ import numpy as np
 from PIL import Image, ImageFilter
 
 from benchmarks import finetune_real
-from benchmarks.common import REPO_ROOT, log_tail, run_command
+from benchmarks.common import REPO_ROOT, log_tail, run_command, train_run
 from benchmarks.table import machine, print_table, write_json
 
 # The shift: a blur of this radius (pixels of the 112-pixel rendering) and these per-channel
@@ -90,17 +90,6 @@ def make_shifted_set(root: Path, identities: int, images: int) -> None:
     shift_domain(root)
 
 
-def train(out: Path, overrides: list[str], timeout_s: float) -> float:
-    """`python train.py` on the default config with `overrides`, into `out`; wall seconds."""
-    command = [sys.executable, str(REPO_ROOT / "train.py"), f"output_dir={out}", *overrides]
-    start = time.perf_counter()
-    code, timed_out = run_command(command, out.parent / f"{out.name}.log", timeout_s)
-    if code != 0 or timed_out:
-        tail = "\n".join(log_tail(out.parent / f"{out.name}.log"))
-        raise RuntimeError(f"{' '.join(command)} failed ({code}, timed out {timed_out}):\n{tail}")
-    return time.perf_counter() - start
-
-
 def accuracies(run_dir: Path) -> dict[int, float]:
     """Held-out accuracy by step, from the run's periodic evaluations."""
     key = f"eval/{TARGET}/accuracy"
@@ -123,7 +112,7 @@ def evaluate_pretrained(backbone: Path, shifted: Path, out: Path) -> float:
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     pretrain_data = work / "pretrain_data"
     t0 = time.perf_counter()
-    pretrain_s = train(
+    pretrain_s = train_run(
         work / "pretrain",
         [
             f"data.root={pretrain_data / 'train'}",
@@ -155,7 +144,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     rows = []
     for name, overrides in variants(pretrained, steps_per_epoch):
         out = work / name.replace(" ", "_").replace(",", "").replace("+", "plus")
-        wall = train(out, [*common, *overrides], args.timeout)
+        wall = train_run(out, [*common, *overrides], args.timeout)
         by_step = accuracies(out)
         # After 25, 50, 75 and 100 % of the steps: evaluations 1 to 4.
         measured = {f"{round(100 * f)}%": by_step.get(every * round(4 * f)) for f in FRACTIONS}
