@@ -1,9 +1,10 @@
 """Recipes on a real face folder, side by side: held-out verification accuracy and minutes.
 
-    python -m benchmarks.real_faces --root $HOME/data/lfw-devtrain          # the shipped CPU recipes
+    python -m benchmarks.real_faces --root $HOME/data/lfw-devtrain     # the shipped CPU recipes
     python -m benchmarks.real_faces --root $HOME/data/lfw-devtrain --seeds 0 1 2 \\
         --recipe folder_cpu config=folder_cpu --recipe default config=default \\
-        --json benchmarks/results/real_faces_cpu.json --markdown benchmarks/results/real_faces_cpu.md
+        --json benchmarks/results/real_faces_cpu.json \\
+        --markdown benchmarks/results/real_faces_cpu.md
     python -m benchmarks.real_faces --root $HOME/data/lfw-devtrain --split dev \\
         --recipe r64 config=default data.image_size=64
 
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.split == "dev":
         data_root, left_out = make_dev_folder(args.root.resolve(), args.work.resolve(), 0.05)
         extra = [f"eval.holdout={args.dev_holdout}"]
-        print(f"dev split: {left_out} test people left out, {args.dev_holdout} of the rest held out")
+        print(f"dev split: {left_out} test people left out, {args.dev_holdout} of the rest out")
     runs = []
     for recipe in recipes:
         for seed in args.seeds:
