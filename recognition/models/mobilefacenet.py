@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from recognition.config import image_size_pair
-from recognition.models.iresnet import scaled_channels
 from recognition.models.batch_norm import BatchNorm1d, BatchNorm2d
+from recognition.models.iresnet import scaled_channels
 from recognition.models.units import UnitChain
 
 # name: (blocks of the four residual stages, scale of the outer widths).
