@@ -23,7 +23,11 @@ of real JPEGs (the built-in synthetic faces, `--loader-images` of them) and over
 images packed into .rec/.idx, with 0 worker processes (the main process reads: the rate
 of one worker) and with 1 and 2 workers, for both kinds of worker (`data.decode`):
 
-    decode (cpu)       the workers decode, resize, flip and normalise (AugmentedView)
+    decode (cpu)       the workers decode, resize and flip (AugmentedView): uint8 batches,
+                       which the training step normalises on its device
+    decode (cpu), float32 as before
+                       the same, normalised to float32 on the workers, as they shipped before
+                       (4x the bytes through shared memory); MB per batch says how much
     bytes only (gpu)   the workers read the encoded bytes (EncodedView + collate_encoded);
                        the GPU decodes them later, which this loader-only figure leaves out
 
@@ -175,8 +179,12 @@ def run_loader(work: Path, num_images: int, repeats: int, batch_size: int) -> li
     flip = AugmentConfig(preset="flip")
     for name, source in sources.items():
         mean_kib = os.path.getsize(work / "rec" / "train.rec") / len(source) / 1024
+        # The CPU workers' batches as they were before they shipped uint8: float32 in [-1, 1].
+        as_float = AugmentedView(source, flip)
+        as_float.ships_pixels = False
         kinds = {
             "decode (cpu)": (AugmentedView(source, flip), None),
+            "decode (cpu), float32 as before": (as_float, None),
             "bytes only (gpu)": (EncodedView(source, flip), collate_encoded),
         }
         for kind, (view, collate) in kinds.items():
@@ -191,14 +199,19 @@ def run_loader(work: Path, num_images: int, repeats: int, batch_size: int) -> li
                     persistent_workers=workers > 0,
                     collate_fn=collate,
                 )
-                rates = []
+                rates, batch_bytes = [], None
                 for epoch in range(repeats + 1):
                     sampler.set_epoch(epoch)
                     start = time.perf_counter()
-                    # (images, labels) from the decoding workers, an EncodedBatch from the others
-                    count = sum(
-                        len(batch[1] if isinstance(batch, list) else batch) for batch in loader
-                    )
+                    count = 0
+                    for batch in loader:
+                        # (images, labels) from the decoding workers, an EncodedBatch from the
+                        # others (its bytes vary with the images: not reported)
+                        if isinstance(batch, list):
+                            count += len(batch[1])
+                            batch_bytes = batch[0].numel() * batch[0].element_size()
+                        else:
+                            count += len(batch)
                     if epoch > 0:  # the first pass warms the page cache and starts the workers
                         rates.append(count / (time.perf_counter() - start))
                 rows.append(
@@ -209,6 +222,7 @@ def run_loader(work: Path, num_images: int, repeats: int, batch_size: int) -> li
                         "images_per_sec": statistics.median(rates),
                         "images": count,
                         "mean_image_kib": mean_kib,
+                        "batch_bytes": batch_bytes,
                     }
                 )
                 del loader
@@ -433,13 +447,15 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(work)
         results["loader"] = rows
         print(f"\nLoader, 112x112, batch {args.batch_size}, {rows[0]['images']} images per pass")
-        print("| source | workers do | worker processes | images/s | images/s per worker |")
-        print("|---|---|---|---|---|")
+        print("| source | workers do | worker processes | images/s | images/s per worker "
+              "| MB per batch |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
         for r in rows:
             per_worker = r["images_per_sec"] / max(1, r["workers"])
+            size = f"{r['batch_bytes'] / 1e6:.2f}" if r["batch_bytes"] else "-"
             print(
                 f"| {r['source']} | {r['workers_do']} | {r['workers']} "
-                f"| {r['images_per_sec']:.0f} | {per_worker:.0f} |"
+                f"| {r['images_per_sec']:.0f} | {per_worker:.0f} | {size} |"
             )
         print(f"(mean encoded image: {rows[0]['mean_image_kib']:.1f} KiB)")
     if not args.skip_augment:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import random
 from collections import Counter
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from recognition.checkpoint import load_backbone
-from recognition.config import ConfigError, DataConfig, load_config
+from recognition.config import AugmentConfig, ConfigError, DataConfig, load_config
 from recognition.data import pack
 from recognition.data.build import build_sampler, build_train_dataset, resolve_format
 from recognition.data.image_folder import ImageFolderDataset
@@ -319,3 +320,55 @@ def test_stop_workers_ends_a_loaders_workers_at_once(persistent, wrapped):
     stop_workers(holder if wrapped else loader, iterator)
     assert ours() == []
     del iterator, loader, holder
+
+
+@pytest.mark.parametrize("kind", ["folder", "recordio"])
+def test_cpu_workers_ship_uint8_and_the_step_sees_the_images_of_before(tmp_path: Path, kind):
+    """data.decode=cpu with flips alone: a worker's batch is uint8 (a quarter of float32's
+    bytes), and what the step sees after `network_input` is, bit for bit, each image decoded,
+    flipped by its seed and normalised as (x / 255 - 0.5) / 0.5 in float32, computed here
+    with numpy from the sample's encoded bytes."""
+    from recognition.data.build import build_loader
+    from recognition.data.sampler import ResumableSampler
+    from recognition.data.transforms import network_input
+
+    folder = make_folder(tmp_path / "faces", identities=2, per=3)
+    if kind == "recordio":
+        pack.main([str(folder), str(tmp_path / "rec")])
+        folder = tmp_path / "rec"
+    cfg = DataConfig(root=str(folder), image_size=24, num_workers=1)
+    source = build_train_dataset(cfg)
+    sampler = ResumableSampler(len(source), seed=3)
+    sampler.set_epoch(1)
+    keys = list(sampler)
+    loader = build_loader(cfg, source, [keys], decode="cpu", device=torch.device("cpu"))
+    images, labels = next(iter(loader))
+    assert images.dtype == torch.uint8 and images.shape == (len(keys), 3, 24, 24)
+    expected = []
+    for index, seed in keys:
+        rgb = np.asarray(Image.open(io.BytesIO(source.encoded(index))).convert("RGB"))
+        if random.Random(seed).random() < 0.5:  # the flip preset's draw
+            rgb = rgb[:, ::-1]
+        scaled = rgb.transpose(2, 0, 1).astype(np.float32) * np.float32(1 / 255)
+        expected.append((scaled - np.float32(0.5)) / np.float32(0.5))
+    seen = network_input(images)
+    assert seen.dtype == torch.float32
+    assert torch.equal(seen, torch.from_numpy(np.stack(expected)))
+    assert labels.tolist() == [int(source.labels[i]) for i, _ in keys]
+
+
+def test_presets_that_augment_in_float_ship_float(tmp_path: Path):
+    """data.augment=face augments in float on the worker (apply_augment): its batches stay
+    float32 in [-1, 1], which `network_input` passes through unchanged."""
+    from recognition.data.build import build_loader
+    from recognition.data.sampler import ResumableSampler
+    from recognition.data.transforms import network_input
+
+    cfg = DataConfig(root=str(make_folder(tmp_path / "faces", 2, 2)), image_size=24,
+                     num_workers=0, augment=AugmentConfig(preset="face"))  # fmt: skip
+    source = build_train_dataset(cfg)
+    keys = list(ResumableSampler(len(source), seed=1))
+    images, _ = next(iter(build_loader(cfg, source, [keys], decode="cpu",
+                                       device=torch.device("cpu"))))  # fmt: skip
+    assert images.dtype == torch.float32 and -1 <= images.min() and images.max() <= 1
+    assert network_input(images) is images

@@ -34,6 +34,7 @@ from recognition.data.gpu_decode import (
 from recognition.data.image_folder import ImageFolderDataset
 from recognition.data.recordio import RecordIODataset
 from recognition.data.sampler import AugmentedView, EpochBatches, ResumableSampler, draw_flip
+from recognition.data.transforms import network_input
 from recognition.training import train
 
 SIZE = (32, 32)
@@ -92,7 +93,9 @@ def both_paths(source, keys, memory_format=torch.contiguous_format, augment=FLIP
         image_size=SIZE,
         memory_format=memory_format,
     )
-    return (torch.stack([x for x, _ in cpu]), [y for _, y in cpu]), (images, labels, batch)
+    # The CPU path's batch as the step sees it (flips alone ship uint8, normalised there).
+    cpu_images = network_input(torch.stack([x for x, _ in cpu]))
+    return (cpu_images, [y for _, y in cpu]), (images, labels, batch)
 
 
 @pytest.mark.parametrize("kind", ["folder", "recordio"])
@@ -328,7 +331,8 @@ def test_loader_batches_across_epochs_with_workers(tmp_path: Path):
     for _ in range(5):  # 2 batches of epoch 0, 3 of epoch 1
         x_cpu, y_cpu = next(cpu_batches)
         x_gpu, y_gpu = next(gpu_batches)
-        assert torch.equal(y_cpu, y_gpu) and torch.equal(x_cpu, x_gpu)
+        assert x_cpu.dtype == torch.uint8  # normalised by the step (network_input)
+        assert torch.equal(y_cpu, y_gpu) and torch.equal(network_input(x_cpu), x_gpu)
 
 
 def tiny_run(data: Path, out: Path, decode: str = "cpu") -> list[str]:
@@ -405,7 +409,7 @@ def test_nvjpeg_batches_match_the_cpu_path_within_tolerance(tmp_path: Path):
     ensure_synthetic_dataset(tmp_path / "synthetic", SyntheticSpec.training_set(16, 8))
     source = ImageFolderDataset(tmp_path / "synthetic" / "train", 112)
     keys = keys_of(source)
-    expected = torch.stack([AugmentedView(source, FLIP)[key][0] for key in keys])
+    expected = network_input(torch.stack([AugmentedView(source, FLIP)[key][0] for key in keys]))
     batch = collate_encoded([EncodedView(source, FLIP)[key] for key in keys])
     images, labels = decode_batch(
         batch.pin_memory(),

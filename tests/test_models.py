@@ -384,3 +384,52 @@ def test_resnet50_reid_loads_local_torchvision_weights(tmp_path) -> None:
     torch.save({"conv1.weight": torch.zeros(1)}, bad)
     with pytest.raises(ValueError, match="bad.pth"):
         resnet50_reid(pretrained_path=str(bad))
+
+
+def _with_torch_batch_norm(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose BatchNorm layers are torch's own, holding the same state."""
+    import copy
+
+    plain = copy.deepcopy(model)
+    for name, layer in list(plain.named_modules()):
+        if isinstance(layer, (nn.BatchNorm1d, nn.BatchNorm2d)):
+            kind = nn.BatchNorm2d if isinstance(layer, nn.BatchNorm2d) else nn.BatchNorm1d
+            twin = kind(layer.num_features, eps=layer.eps, momentum=layer.momentum)
+            twin.load_state_dict(layer.state_dict())
+            twin.weight.requires_grad_(layer.weight.requires_grad)
+            parent_path, _, child = name.rpartition(".")
+            setattr(plain.get_submodule(parent_path) if parent_path else plain, child, twin)
+    return plain
+
+
+SMALL = {"iresnet18": {"width": 0.25}, "mbf": {}}
+
+
+@pytest.mark.parametrize("name", ["iresnet18", "mbf"])
+def test_batch_counters_advanced_at_once_match_torch_batch_norm(name: str) -> None:
+    # The backbone advances every BatchNorm's counter with one operation per forward
+    # (models/batch_norm.py): outputs, gradients, running statistics and counters must be
+    # torch's BatchNorm's, value for value, also with a layer frozen in eval mode.
+    torch.manual_seed(0)
+    model = build_backbone(name, embedding_size=8, image_size=32, **SMALL[name])
+    reference = _with_torch_batch_norm(model)
+    frozen, trained = [n for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)][:2]
+    assert not any(type(m).__module__.startswith("recognition") for m in reference.modules()
+                   if isinstance(m, nn.BatchNorm2d))  # fmt: skip
+    for copy_ in (model, reference):
+        copy_.get_submodule(frozen).eval()  # a frozen stem layer keeps its counter
+    for step in range(3):
+        x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(step))
+        out, expected = model(x), reference(x)
+        assert torch.equal(out, expected)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    for (key, param), twin in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert (param.grad is None) == (twin.grad is None), key
+        if param.grad is not None:
+            assert torch.equal(param.grad, twin.grad), key
+    assert reference.state_dict()[f"{frozen}.num_batches_tracked"].item() == 0
+    assert reference.state_dict()[f"{trained}.num_batches_tracked"].item() == 3

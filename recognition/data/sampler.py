@@ -77,6 +77,10 @@ class AugmentedView(Dataset):
     """Wraps a dataset of (CHW image in [-1, 1], label) and applies the random augmentation
     of `augment` (`recognition.data.augment`), drawn from each sample's seed.
 
+    With flips alone (`ships_pixels`, the default) and a base that has `pixels(index)` (a
+    `TrainSource`), the image comes as (3, H, W) uint8, not normalised: the training step
+    normalises the batch on the device (`recognition.data.transforms.network_input`).
+
     Indexed with the `(index, sample_seed)` pairs of `ResumableSampler`. With nothing but
     the flip on (the default) the image is only mirrored, as it always was: no conversion.
     With `targets` (a distilled run's table of the teacher's embeddings,
@@ -89,13 +93,22 @@ class AugmentedView(Dataset):
         self.base = base
         self.augment = augment
         self.targets = targets
+        # Flips alone (the default): the workers ship uint8 pixels, a quarter of float32's
+        # bytes, which `transforms.network_input` normalises on the device. The other
+        # presets augment in float on the worker (`apply_augment`), so they ship float:
+        # every sample of a batch must have one dtype, and most of them are augmented.
+        self.ships_pixels = augment.only_flips and hasattr(base, "pixels")
 
     def __len__(self) -> int:
         return len(self.base)  # type: ignore[arg-type]
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
         index, seed = key
-        image, label = self.base[index]
+        if self.ships_pixels:
+            # The flip is exact on uint8: the training process normalises on the device.
+            image, label = self.base.pixels(index)  # type: ignore[attr-defined]
+        else:
+            image, label = self.base[index]
         flipped = False
         if self.augment.only_flips:
             flipped = self.augment.flip > 0 and draw_flip(seed, self.augment.flip)

@@ -3,6 +3,7 @@
 A training source (image folder, RecordIO pack, Market-1501 crops) is a `TrainSource`:
 
     len(source), source[i] -> ((3, H, W) float32 in [-1, 1], label)
+    source.pixels(i)        ((3, H, W) uint8, label): the same image before normalisation
     source.encoded(i)       the sample's encoded bytes (file or record), for `data.decode=gpu`
     source.labels           (N,) int array, for identity-balanced sampling
     source.num_classes
@@ -37,7 +38,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from recognition.config import image_size_pair
-from recognition.data.transforms import hflip, to_input_tensor
+from recognition.data.transforms import hflip, normalise, to_pixels
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +102,18 @@ class TrainSource(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         """Sample `index` as ((3, H, W) float32 image in [-1, 1], label)."""
-        index = int(index)
-        label = int(self.labels[index])
-        image = self.load_with_policy(index, self.decode)
-        tensor = to_input_tensor(image, self.image_size)
+        pixels, label = self.pixels(index)
+        tensor = normalise(pixels)
         if self.train and torch.rand(()) < 0.5:
             tensor = hflip(tensor)
         return tensor, label
+
+    def pixels(self, index: int) -> tuple[torch.Tensor, int]:
+        """Sample `index` decoded and resized, not normalised: ((3, H, W) uint8, label)."""
+        index = int(index)
+        label = int(self.labels[index])
+        image = self.load_with_policy(index, self.decode)
+        return to_pixels(image, self.image_size), label
 
     def load_with_policy(self, index: int, load: Callable[[int], T]) -> T:
         """`load(index)` (`decode`, or another reader of the sample) under `on_bad_image`.

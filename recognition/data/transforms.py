@@ -8,7 +8,9 @@ An image file becomes the network's input in four steps, each a small function h
     normalise(tensor)     uint8 [0, 255] -> float32 [-1, 1], the range of the published models
 
 `to_input_tensor` runs the resize and the normalisation on a decoded image; the flip is left
-to the training data set, which draws it at random.
+to the training data set, which draws it at random. Training's CPU loader stops at the
+resize (`to_pixels`): its workers ship uint8 batches, a quarter of float32's bytes, and the
+training process normalises them on the device (`network_input`), to the same values.
 """
 
 from __future__ import annotations
@@ -137,10 +139,22 @@ def normalise(tensor: torch.Tensor) -> torch.Tensor:
     return scaled.sub_(0.5).div_(0.5)
 
 
+def network_input(batch: torch.Tensor) -> torch.Tensor:
+    """A batch of images as the network takes them: uint8 pixels (what training's CPU
+    workers ship) normalised by `normalise`, on their device; a float batch (already
+    normalised, or augmented in float on the workers) unchanged. Element by element, so
+    the values are those `normalise` gives each image alone."""
+    return normalise(batch) if batch.dtype == torch.uint8 else batch
+
+
+def to_pixels(image: Image.Image, size: tuple[int, int]) -> torch.Tensor:
+    """Decoded RGB `image` resized to `size` = (H, W): (3, H, W) uint8."""
+    return resize(TF.pil_to_tensor(to_rgb(image)), size)
+
+
 def to_input_tensor(image: Image.Image, size: tuple[int, int]) -> torch.Tensor:
     """Decoded RGB `image` as the network's input: (3, H, W) float32 in [-1, 1], `size` = (H, W).
 
     Resizing happens on the uint8 tensor, before normalisation, as in training.
     """
-    tensor = TF.pil_to_tensor(to_rgb(image))  # (3, h, w) uint8
-    return normalise(resize(tensor, size))
+    return normalise(to_pixels(image, size))

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from recognition.config import image_size_pair
+from recognition.models.batch_norm import BatchNorm1d, BatchNorm2d
 from recognition.models.units import UnitChain
 
 # Every BatchNorm of the published models uses PyTorch's default epsilon.
@@ -63,19 +64,19 @@ class IBasicBlock(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int, stride: int = 1) -> None:
         super().__init__()
-        self.bn1 = nn.BatchNorm2d(in_channels, eps=BN_EPS)
+        self.bn1 = BatchNorm2d(in_channels, eps=BN_EPS)
         self.conv1 = conv3x3(in_channels, out_channels)
-        self.bn2 = nn.BatchNorm2d(out_channels, eps=BN_EPS)
+        self.bn2 = BatchNorm2d(out_channels, eps=BN_EPS)
         self.prelu = nn.PReLU(out_channels)
         self.conv2 = conv3x3(out_channels, out_channels, stride)
-        self.bn3 = nn.BatchNorm2d(out_channels, eps=BN_EPS)
+        self.bn3 = BatchNorm2d(out_channels, eps=BN_EPS)
         # The shortcut needs a projection only where the shape changes; its two children
         # are named downsample.0 / downsample.1 as in the published checkpoints.
         self.downsample: nn.Sequential | None = None
         if stride != 1 or in_channels != out_channels:
             self.downsample = nn.Sequential(
                 nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
-                nn.BatchNorm2d(out_channels, eps=BN_EPS),
+                BatchNorm2d(out_channels, eps=BN_EPS),
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,7 +139,7 @@ class IResNet(UnitChain):
 
         stem_channels = scaled_channels(STEM_CHANNELS, width)
         self.conv1 = conv3x3(3, stem_channels)
-        self.bn1 = nn.BatchNorm2d(stem_channels, eps=BN_EPS)
+        self.bn1 = BatchNorm2d(stem_channels, eps=BN_EPS)
         self.prelu = nn.PReLU(stem_channels)
 
         in_channels = stem_channels
@@ -157,10 +158,10 @@ class IResNet(UnitChain):
         )
 
         map_height, map_width = sides[0] // 16, sides[1] // 16
-        self.bn2 = nn.BatchNorm2d(in_channels, eps=BN_EPS)
+        self.bn2 = BatchNorm2d(in_channels, eps=BN_EPS)
         self.dropout = nn.Dropout(p=dropout)
         self.fc = nn.Linear(in_channels * map_height * map_width, embedding_size)
-        self.features = nn.BatchNorm1d(embedding_size, eps=BN_EPS)
+        self.features = BatchNorm1d(embedding_size, eps=BN_EPS)
 
         self._init_weights(zero_init_residual)
 

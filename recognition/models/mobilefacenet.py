@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from recognition.config import image_size_pair
+from recognition.models.batch_norm import BatchNorm1d, BatchNorm2d
 from recognition.models.iresnet import scaled_channels
 from recognition.models.units import UnitChain
 
@@ -64,7 +65,7 @@ class ConvUnit(nn.Module):
             nn.Conv2d(
                 in_channels, out_channels, kernel, stride, padding, groups=groups, bias=False
             ),
-            nn.BatchNorm2d(out_channels),
+            BatchNorm2d(out_channels),
         ]
         if not linear:
             parts.append(nn.PReLU(out_channels))
@@ -116,7 +117,7 @@ class GDC(nn.Module):
             ConvUnit(channels, channels, map_hw, groups=channels, linear=True),
             nn.Flatten(),
             nn.Linear(channels, embedding_size, bias=False),
-            nn.BatchNorm1d(embedding_size),
+            BatchNorm1d(embedding_size),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from recognition.models.batch_norm import advance_batch_counts, counted_layers
+
 
 class UnitChain(nn.Module):
     """A module whose forward applies `units()` in order, each through `forward_unit`.
@@ -49,9 +51,24 @@ class UnitChain(nn.Module):
         return self._kept is None or self._kept[0] == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            # One operation advances every BatchNorm's batch counter (models/batch_norm.py).
+            advance_batch_counts(self._counted_layers())
         for unit in self.kept_units:
             x = self.forward_unit(unit, x)
         return x
+
+    def _counted_layers(self) -> tuple[nn.Module, ...]:
+        # Found once: the layers stay while the module trains (keep_units and train(),
+        # after which a layer may have been replaced, find them again).
+        layers = self.__dict__.get("_batch_counted")
+        if layers is None:
+            layers = self.__dict__["_batch_counted"] = counted_layers(self)
+        return layers
+
+    def train(self, mode: bool = True) -> UnitChain:
+        self.__dict__.pop("_batch_counted", None)
+        return super().train(mode)
 
     def keep_units(self, first: int, stop: int) -> None:
         """Keep units [first, stop) only: remove every other unit's modules, in place.
@@ -72,3 +89,4 @@ class UnitChain(nn.Module):
                 # (layer1.2 stays "2" when "0" and "1" go), unlike del on a Sequential.
                 del parent._modules[name]
         self._kept = (first, stop)
+        self.__dict__.pop("_batch_counted", None)

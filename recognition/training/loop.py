@@ -30,6 +30,7 @@ from recognition import checkpoint as ckpt
 from recognition import distributed
 from recognition.config import ExperimentConfig
 from recognition.config.values import parse_time_limit
+from recognition.data.transforms import network_input
 from recognition.data.workers import stop_workers
 from recognition.distributed import DistInfo
 from recognition.logging import MetricsWriter, setup_logging
@@ -228,10 +229,11 @@ def _steps(run: Run, hooks: list[Hook], step_fn: Callable, batches: Iterator) ->
         while progress.step < run.last_step and not run.end_of_epoch and not run.stop_reason:
             for hook in hooks:
                 hook.before_step(run)
-            # (images, labels), and a distilled run's cached teacher embeddings.
+            # (images, labels), and a distilled run's cached teacher embeddings. The CPU
+            # workers ship uint8 pixels: normalised here, on the device, in one pass.
             micro_batches = [
                 (
-                    x.to(device, non_blocking=True, memory_format=memory_format),
+                    network_input(x.to(device, non_blocking=True, memory_format=memory_format)),
                     *(t.to(device, non_blocking=True) for t in rest),
                 )
                 for x, *rest in itertools.islice(batches, cfg.train.accumulate_steps)
