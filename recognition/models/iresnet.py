@@ -49,6 +49,21 @@ def scaled_channels(channels: int, width: float) -> int:
     return max(1, round(channels * width))
 
 
+def four_stage_sides(image_size: int | tuple[int, int], family: str) -> tuple[int, int]:
+    """(H, W) of `image_size` for a backbone of four stride-2 stages (`family` names it in the
+    error): each side a positive multiple of 16."""
+    try:
+        sides = image_size_pair(image_size)
+    except ValueError:
+        sides = (0, 0)
+    if any(s < 16 or s % 16 for s in sides):
+        raise ValueError(
+            f"image_size: {family} needs a side or (H, W) that are multiples of 16 (four "
+            f"stride-2 stages), got {image_size}; 112 is the usual face crop"
+        )
+    return sides
+
+
 def conv3x3(in_channels: int, out_channels: int, stride: int = 1) -> nn.Conv2d:
     """A 3x3 convolution with padding 1 and no bias (a BatchNorm always follows)."""
     return nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
@@ -123,15 +138,7 @@ class IResNet(UnitChain):
             raise ValueError(f"width: must be positive, got {width}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout: must be in [0, 1), got {dropout}")
-        try:
-            sides = image_size_pair(image_size)
-        except ValueError:
-            sides = (0, 0)
-        if any(s < 16 or s % 16 for s in sides):
-            raise ValueError(
-                f"image_size: IResNet needs a side or (H, W) that are multiples of 16 (four "
-                f"stride-2 stages), got {image_size}; 112 is the usual face crop"
-            )
+        sides = four_stage_sides(image_size, "IResNet")
         self.embedding_size = embedding_size
         self.image_size: tuple[int, int] = (sides[0], sides[1])
         # Training mode returns (fc output, embeddings) when set (the triplet loss's).

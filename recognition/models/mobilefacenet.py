@@ -29,9 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from recognition.config import image_size_pair
 from recognition.models.batch_norm import BatchNorm1d, BatchNorm2d
-from recognition.models.iresnet import scaled_channels
+from recognition.models.iresnet import four_stage_sides, scaled_channels
 from recognition.models.units import UnitChain
 
 # name: (blocks of the four residual stages, scale of the outer widths).
@@ -152,7 +151,7 @@ class MobileFaceNet(UnitChain):
         image_size: int | tuple[int, int] = 112,
     ) -> None:
         super().__init__()
-        sides = _checked_sides(image_size)
+        sides = four_stage_sides(image_size, "MobileFaceNet")
         if embedding_size < 1:
             raise ValueError(f"embedding_size: must be positive, got {embedding_size}")
         if not 0.0 <= dropout < 1.0:
@@ -237,19 +236,6 @@ class MobileFaceNet(UnitChain):
             x = self.dropout(flatten(gdc(x)))  # (B, 512 * width)
             return norm(linear(x))
         return self.get_submodule(unit)(x)
-
-
-def _checked_sides(image_size: int | tuple[int, int]) -> tuple[int, int]:
-    try:
-        sides = image_size_pair(image_size)
-    except ValueError:
-        sides = (0, 0)
-    if any(s < 16 or s % 16 for s in sides):
-        raise ValueError(
-            f"image_size: MobileFaceNet needs a side or (H, W) that are multiples of 16 (four "
-            f"stride-2 stages), got {image_size}; 112 is the usual face crop"
-        )
-    return sides
 
 
 def mobilefacenet(name: str, **kwargs: Any) -> MobileFaceNet:
