@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from code_walk import Walk, walk_from
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "recognition"
 PRECISION = PACKAGE / "precision"
@@ -151,3 +153,39 @@ def test_only_precision_touches_its_masters_and_scaler():
             if isinstance(node, ast.Attribute) and node.attr in ("masters", "scaler"):
                 wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
     assert not wrong, wrong
+
+
+# The walk of train(cfg) (tests/code_walk.py): 21 climbs back up when holding out and choosing
+# the evaluation targets became one call (issue 39's count, with its own tool, was 22).
+TRAIN_WALK = "recognition/training/loop.py:train:cfg"
+MAX_TRAIN_WALK_CLIMBS = 21
+
+
+def test_a_climb_is_a_way_back_up_that_goes_down_again():
+    walk = Walk(start="a.py")
+    walk.moves = [("down", "b.py"), ("down", "c.py"), ("up", "b.py"), ("up", "a.py")]
+    assert walk.climbs == 0 and walk.rooms == ["a.py", "b.py", "c.py"]
+    walk.moves += [("down", "d.py"), ("up", "a.py"), ("down", "b.py")]
+    assert walk.climbs == 2 and walk.rooms == ["a.py", "b.py", "c.py", "d.py"]
+
+
+def test_the_walk_of_train_follows_the_config_into_each_concern():
+    rooms = walk_from(TRAIN_WALK).rooms
+    for concern in (
+        "recognition/training/build.py",
+        "recognition/training/holdout.py",
+        "recognition/data/build.py",
+        "recognition/models/__init__.py",
+        "recognition/heads/__init__.py",
+        "recognition/optim.py",
+        "recognition/training/hooks.py",
+    ):
+        assert concern in rooms, (concern, rooms)
+
+
+def test_the_walk_of_train_climbs_back_up_no_more_than_its_bar():
+    walk = walk_from(TRAIN_WALK)
+    assert walk.climbs <= MAX_TRAIN_WALK_CLIMBS, (
+        f"{TRAIN_WALK}: {walk.climbs} climbs back up (bar {MAX_TRAIN_WALK_CLIMBS}); "
+        "`python tests/code_walk.py` shows the walk"
+    )

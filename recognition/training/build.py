@@ -34,13 +34,12 @@ from recognition.data.build import (
     build_sampler,
     build_train_dataset,
     resolve_decode,
-    resolve_format,
 )
 from recognition.data.sampler import EpochBatches
 from recognition.data.source import TrainSource
 from recognition.data.synthetic import ensure_synthetic_dataset
 from recognition.distributed import DistInfo
-from recognition.evaluation.targets import check_training_targets, run_targets
+from recognition.evaluation.targets import check_training_targets
 from recognition.heads import ShardedMarginSoftmax, build_head
 from recognition.heads.triplet import TrainingLoss
 from recognition.models import backbone_from_config, use_neck_features
@@ -56,7 +55,6 @@ from recognition.pipeline import (
     PipelineLayout,
     StagePlan,
     build_stage_backbone,
-    check_stages,
     gather_backbone,
     local_stage_io,
     make_layout,
@@ -70,7 +68,7 @@ from recognition.training.finetune import start_from_file
 from recognition.training.finetune.freeze import freeze_batch_norm
 from recognition.training.finetune.head_only import HeadOnlyGate
 from recognition.training.finetune.init_backbone import InitBackbone
-from recognition.training.holdout import hold_out, holdout_wanted
+from recognition.training.holdout import split_for_eval
 from recognition.training.parts import ModelParts, compile_model, wrap_model
 from recognition.training.pipeline_step import PipelineStep, build_pipeline_step
 from recognition.training.state import Progress, RngState
@@ -220,9 +218,7 @@ def build_data(cfg: ExperimentConfig, dist_info: DistInfo) -> TrainData:
     """Check what the backbone cannot train, make the pipeline's mesh, the training data
     and its sampler on this rank (collective: ranks wait for rank 0's data setup). Writes
     nothing into the run directory."""
-    check_backbone(cfg, dist_info)
-    if _pipelined(cfg):  # before the mesh: a layout that cannot be cut stops every rank alike
-        check_stages(cfg.model, cfg.data.image_hw, cfg.model.pipeline_stages)
+    check_backbone(cfg, dist_info)  # and its cut into stages, before the pipeline's mesh
     layout = make_layout(cfg.model.pipeline_stages, dist_info) if _pipelined(cfg) else None
     num_replicas = layout.dp_size if layout is not None else dist_info.world_size
     data, sampler, decode, targets = _build_data(cfg, dist_info, layout)
@@ -448,10 +444,7 @@ def _build_data(
     data = build_train_dataset(
         cfg.data, rank_is_main=dist_info.is_main, barrier=distributed.barrier
     )
-    held_out = False
-    if holdout_wanted(cfg, resolve_format(cfg.data)):
-        data, held_out = hold_out(cfg, dist_info, data)
-    targets = run_targets(cfg, holdout=held_out)
+    data, targets = split_for_eval(cfg, dist_info, data)
     # data.sampler=random is DistributedSampler's order: one permutation per epoch (the same
     # on every rank), rank r taking every W-th sample, the tail that does not divide by W
     # dropped; pk is P identities x K images per batch, whole groups per rank. Incomplete

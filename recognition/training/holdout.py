@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from recognition import distributed
-from recognition.config import ExperimentConfig
+from recognition.config import EvalTarget, ExperimentConfig
+from recognition.data.formats import resolve_format
 from recognition.data.holdout import (
     HOLDOUT_DIR,
     PAIRS_FILE,
@@ -23,6 +24,7 @@ from recognition.data.holdout import (
 from recognition.data.pairs import pairs_text
 from recognition.data.source import TrainSource
 from recognition.distributed import DistInfo
+from recognition.evaluation.targets import run_targets
 from recognition.training.errors import TrainingError
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,17 @@ def holdout_wanted(cfg: ExperimentConfig, data_format: str) -> bool:
         and data_format in HOLDOUT_FORMATS
         and cfg.eval.holdout > 0
     )
+
+
+def split_for_eval(
+    cfg: ExperimentConfig, dist_info: DistInfo, source: TrainSource
+) -> tuple[TrainSource, list[EvalTarget]]:
+    """What the run trains on (`source` less the identities eval.holdout keeps out, when it
+    asks for them: `hold_out`) and the targets it verifies on (`run_targets`): collective."""
+    held_out = False
+    if holdout_wanted(cfg, resolve_format(cfg.data)):
+        source, held_out = hold_out(cfg, dist_info, source)
+    return source, run_targets(cfg, holdout=held_out)
 
 
 def holdout_split(source: TrainSource, share: float) -> HoldoutSplit:
