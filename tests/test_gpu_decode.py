@@ -480,3 +480,107 @@ def test_training_with_nvjpeg_steps_on_the_cpu_paths_batches(tmp_path: Path, mon
         levels = (gpu - cpu).abs() * 127.5
         print(f"nvJPEG vs PIL: mean {levels.mean():.3f}, max {levels.max():.1f} levels")
         assert levels.mean() <= NVJPEG_MEAN_LEVELS
+
+
+def _ahead_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "decode-ahead"]
+
+
+def gpu_loader(folder: Path, ahead: int, augment: AugmentConfig, workers: int = 1):
+    source = ImageFolderDataset(folder, SIZE)
+    cfg = DataConfig(
+        root=str(folder), image_size=32, num_workers=workers, decode_ahead=ahead, augment=augment
+    )
+    batches = EpochBatches(ResumableSampler(len(source), seed=5), 4, 4)
+    batches.start_at(0, 2)
+    return build_loader(
+        cfg,
+        source,
+        batches,
+        decode="gpu",
+        device=torch.device("cpu"),
+        generator=torch.Generator().manual_seed(0),
+    )
+
+
+@pytest.mark.parametrize("augment", [FLIP, AugmentConfig(preset="face")])
+def test_batches_decoded_ahead_equal_those_decoded_when_asked(tmp_path: Path, augment):
+    """data.decode_ahead: the batches a thread decodes 1 or 3 ahead are, bit for bit and in
+    order, those the training thread decodes itself (0), across an epoch boundary; the thread
+    runs while they are taken and is gone once the iterator is closed."""
+    folder = make_folder(tmp_path / "faces")
+    seen = {}
+    for ahead in (0, 1, 3):
+        iterator = iter(gpu_loader(folder, ahead, augment))
+        seen[ahead] = [next(iterator) for _ in range(6)]  # 2 batches of epoch 0, 4 of epoch 1
+        assert len(_ahead_threads()) == (1 if ahead else 0)
+        iterator.close()
+        assert _ahead_threads() == []
+    for ahead in (1, 3):
+        for (x0, y0), (x, y) in zip(seen[0], seen[ahead], strict=True):
+            assert torch.equal(x0, x) and torch.equal(y0, y)
+
+
+def test_an_error_in_the_decoding_thread_reaches_the_training_thread():
+    """What the thread raises (a bad image under on_bad_image=error) is raised where the
+    batch is taken, after the batches before it, with its message; the thread ends."""
+    from recognition.data.ahead import made_ahead
+
+    def batches():
+        for i in range(5):
+            if i == 3:
+                raise ValueError("faces/b/3.jpg: not an image")
+            yield (torch.tensor([i]),)
+
+    taken = []
+    with pytest.raises(ValueError, match="faces/b/3.jpg: not an image"):
+        for (x,) in made_ahead(batches(), 2, torch.device("cpu")):
+            taken.append(int(x))
+    assert taken == [0, 1, 2] and _ahead_threads() == []
+
+
+def test_stopping_early_stops_the_thread_and_the_loaders_workers(tmp_path: Path):
+    """The loop's stop_workers on a DeviceBatches iterator whose thread is blocked on a full
+    queue: the thread stops, the DataLoader iterator it held is closed, the workers exit."""
+    import multiprocessing
+    import time
+
+    from recognition.data.workers import stop_workers
+
+    before = {child.pid for child in multiprocessing.active_children()}
+    loader = gpu_loader(make_folder(tmp_path / "faces"), 2, FLIP, workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    time.sleep(0.5)  # the thread fills its 2 slots and waits on the full queue
+    assert len(_ahead_threads()) == 1
+    stop_workers(loader, iterator)
+    assert _ahead_threads() == []
+    assert [c.pid for c in multiprocessing.active_children() if c.pid not in before] == []
+
+
+def test_decode_ahead_below_zero_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="data.decode_ahead: must be 0 or more"):
+        DataConfig(decode_ahead=-1)
+
+
+@needs_cuda
+def test_nvjpeg_batches_decoded_ahead_on_a_stream_equal_those_decoded_when_asked(tmp_path):
+    """On CUDA the thread decodes on a stream of its own: the step's stream waits for each
+    batch's event, so the batches equal those decoded in the training thread."""
+    folder = make_folder(tmp_path / "faces")
+    source = ImageFolderDataset(folder, SIZE)
+    seen = {}
+    for ahead in (0, 2):
+        cfg = DataConfig(root=str(folder), image_size=32, num_workers=1, decode_ahead=ahead)
+        batches = EpochBatches(ResumableSampler(len(source), seed=5), 4, 4)
+        loader = build_loader(
+            cfg, source, batches, decode="gpu", device=torch.device("cuda"),
+            generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+        iterator = iter(loader)
+        seen[ahead] = [tuple(t.clone() for t in next(iterator)) for _ in range(6)]
+        iterator.close()
+    for (x0, y0), (x, y) in zip(seen[0], seen[2], strict=True):
+        assert torch.equal(x0, x) and torch.equal(y0, y)

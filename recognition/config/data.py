@@ -63,6 +63,10 @@ class DataConfig:
     the encoded bytes only and each batch is decoded on the training GPU (nvJPEG through
     torchvision.io.decode_jpeg) and augmented there; non-JPEG files are decoded by the
     workers. auto: gpu when training on a CUDA device and the data holds JPEGs, else cpu."""
+    decode_ahead: int = 2
+    """With data.decode=gpu: batches decoded ahead by a thread of their own, on a CUDA stream
+    of their own, so that the training thread neither decodes nor waits; 0: each batch is
+    decoded in the training thread when the step asks for it."""
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
@@ -88,6 +92,8 @@ class DataConfig:
                 f"{kernel}-pixel kernel, larger than the {min(self.image_hw)}-pixel side of "
                 "data.image_size"
             )
+        if self.decode_ahead < 0:
+            raise ConfigError("data.decode_ahead: must be 0 or more")
         if self.prefetch_factor is not None:
             if self.prefetch_factor < 1:
                 raise ConfigError("data.prefetch_factor: must be at least 1 (or null)")

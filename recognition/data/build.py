@@ -211,4 +211,5 @@ def build_loader(
         image_size=data_cfg.image_hw,
         memory_format=memory_format,
         targets=targets,
+        ahead=data_cfg.decode_ahead,
     )

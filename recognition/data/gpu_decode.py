@@ -18,7 +18,10 @@ With `data.decode=cpu` every DataLoader worker decodes, resizes and normalises i
                or `augment_batch`), normalise, memory format
 
 `DeviceBatches` wraps the DataLoader so that iterating it gives those device tensors: the
-training loop's `.to(device, memory_format=...)` then has nothing left to do.
+training loop's `.to(device, memory_format=...)` then has nothing left to do. With
+`data.decode_ahead` > 0 (the default, 2) a thread of its own decodes that many batches
+ahead on a CUDA stream of its own (`recognition.data.ahead`), so the training thread never
+decodes nor waits for a decode.
 
 The augmentation is drawn from the sample's seed by `draw_augment` in the worker, as
 `AugmentedView` draws it, and applied to the batch on the device by `augment_batch`, the
@@ -46,6 +49,7 @@ from torch.utils.data import Dataset
 from torchvision.transforms.v2 import functional as TF
 
 from recognition.config import AugmentConfig
+from recognition.data.ahead import made_ahead
 from recognition.data.augment import SampleAugment, draw_augment
 from recognition.data.augment_batch import augment_batch
 from recognition.data.source import TrainSource
@@ -289,7 +293,9 @@ class DeviceBatches:
     """Iterating gives the batches of `loader` (a DataLoader of `EncodedView` with
     `collate_encoded`) decoded by `decode_batch` on `device`: (images, labels) there, as
     the training loop takes them from any loader; with `targets` (a distilled run's
-    `TeacherTable`), (images, labels, the teacher's embeddings of the samples as flipped)."""
+    `TeacherTable`), (images, labels, the teacher's embeddings of the samples as flipped).
+    `ahead` (data.decode_ahead): batches decoded ahead by a thread of its own, on a CUDA
+    stream of its own (`recognition.data.ahead`); 0: each one when it is asked for."""
 
     def __init__(
         self,
@@ -300,6 +306,7 @@ class DeviceBatches:
         image_size: tuple[int, int],
         memory_format: torch.memory_format = torch.contiguous_format,
         targets: TeacherTable | None = None,
+        ahead: int = 0,
     ) -> None:
         self.loader = loader
         self.source = source
@@ -307,9 +314,16 @@ class DeviceBatches:
         self.image_size = image_size
         self.memory_format = memory_format
         self.targets = targets
+        self.ahead = ahead
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
-        for batch in self.loader:
+        # The DataLoader's iterator (and its workers) start here, in the caller's thread;
+        # `made_ahead` decodes in a thread of its own (on a CUDA stream of its own).
+        encoded = iter(self.loader)
+        yield from made_ahead(self._decoded(encoded), self.ahead, self.device)
+
+    def _decoded(self, encoded: Iterator[EncodedBatch]) -> Iterator[tuple[torch.Tensor, ...]]:
+        for batch in encoded:
             decoded = decode_batch(
                 batch,
                 self.source,
