@@ -52,6 +52,7 @@ def variants(pretrained: Path, head_only_steps: int) -> dict[str, list[str]]:
     cent = [*init, "head.init=centroids"]
     head_only = f"train.head_only_steps={head_only_steps}"
     frozen = "model.freeze_bn=true"
+    teacher = f"train.teacher={pretrained}"
 
     def scale(s: float) -> str:
         return f"optim.backbone_lr_scale={s}"
@@ -68,6 +69,10 @@ def variants(pretrained: Path, head_only_steps: int) -> dict[str, list[str]]:
         "centroids, scale 0.3": [*cent, scale(0.3)],
         "centroids, head_only, scale 0.3": [*cent, head_only, scale(0.3)],
         "init_backbone, scale 0.3": [*init, scale(0.3)],
+        # The pretrained backbone also as the teacher (train.teacher): the new classes are
+        # learned while the embeddings are held near the pretrained ones.
+        "init_backbone, teacher": [*init, teacher],
+        "centroids, scale 0.1, teacher": [*cent, scale(0.1), teacher],
     }
 
 
