@@ -3,14 +3,17 @@
     python -m benchmarks.compile_cpu                          # default config, 100 steps, 2 rounds
     python -m benchmarks.compile_cpu --steps 200 --rounds 3 --json compile_cpu.json
 
-Each round runs the real entry point three times, one after another (so that the machine's
-other load falls on all of them alike): eager; compiled with an empty Inductor cache (a
-fresh TORCHINDUCTOR_CACHE_DIR: what the first run on a machine pays); compiled again with
-that cache warm (what a resumed or repeated run pays). From each run's metrics.jsonl and
-train.log it reports the compile time (logged by the run), the median samples/s over the
-logged windows after the first (which holds the compile), the loss at step 40 and at the
-end (compile must not change what is learnt: the issue's check is the loss at step 40
-within 5 % of eager's), and the wall time of the whole command. Medians over the rounds.
+Each round runs the real entry point five times, one after another (so that the machine's
+other load falls on all of them alike): eager; for each train.compile_scope (the whole
+backbone as one graph, `model`, and its blocks one by one, `blocks`), compiled with an empty
+Inductor cache (a fresh TORCHINDUCTOR_CACHE_DIR: what the first run on a machine pays) and
+compiled again with that cache warm (what a resumed or repeated run pays). Config overrides
+after `--` (`-- model.backbone=iresnet50`: a backbone with repeated blocks). From each
+run's metrics.jsonl and train.log it reports the compile time (logged by the run), the
+median samples/s over the logged windows after the first (which holds the compile), the
+loss at step 40 and at the end (compile must not change what is learnt: the issue's check
+is the loss at step 40 within 5 % of eager's), and the wall time of the whole command.
+Medians over the rounds.
 """
 
 from __future__ import annotations
@@ -28,13 +31,19 @@ from typing import Any
 from benchmarks.table import print_table
 from benchmarks.train_scaling import add_run_options, run_one
 
-MODES = ("eager", "compiled, cold cache", "compiled, warm cache")
+MODES = {
+    "eager": [],
+    "whole, cold cache": ["train.compile_scope=model"],
+    "whole, warm cache": ["train.compile_scope=model"],
+    "blocks, cold cache": ["train.compile_scope=blocks"],
+    "blocks, warm cache": ["train.compile_scope=blocks"],
+}
 
 
 def measure(mode: str, steps: int, log_every: int, overrides: list[str], out: Path) -> dict:
     """One run of `mode`; its measurements."""
-    compiled = mode != "eager"
-    result = run_one(1, "default", steps, log_every, [f"train.compile={compiled}", *overrides], out)
+    compiled = [f"train.compile={mode != 'eager'}", *MODES[mode]]
+    result = run_one(1, "default", steps, log_every, [*compiled, *overrides], out)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     at_40 = [r["loss"] for r in records if r["step"] == 40]
     found = re.search(r"compiling the backbone took ([0-9.]+) s", (out / "train.log").read_text())
@@ -69,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     with tempfile.TemporaryDirectory(prefix="compile_cpu_") as scratch:
         for round_index in range(args.rounds):
-            cache = Path(scratch) / f"inductor{round_index}"
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # empty: a cold compile
             for mode in MODES:
+                # Empty for each cold run, then warm for the run after it (one per scope).
+                cache = Path(scratch) / f"inductor{round_index}-{mode.split(',')[0]}"
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
                 out = Path(scratch) / f"{round_index}-{mode.replace(' ', '_')}"
                 runs.append(measure(mode, args.steps, args.log_every, args.overrides, out))
                 print(json.dumps(runs[-1]), file=sys.stderr)

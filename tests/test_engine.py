@@ -397,12 +397,13 @@ def test_deterministic_mode_is_on_during_the_run_and_restored_after(image_folder
     assert torch.are_deterministic_algorithms_enabled() == before
 
 
-def test_compiled_backbone_trains_like_the_eager_one(image_folder, tmp_path):
-    """train.compile=true: the same losses as eager over a few steps, checkpoints under the
-    same names. The aot_eager backend traces the backbone as inductor would (dynamo, AOT
-    autograd) without generating kernels, which take minutes to build on 2 CPU cores;
-    inductor itself (whose reordered float32 arithmetic gave the same losses within 4e-4
-    over 3 steps here) is measured by benchmarks/train_throughput.py."""
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_compiled_backbone_trains_like_the_eager_one(image_folder, tmp_path, scope):
+    """train.compile=true, by blocks or whole: the same losses as eager over a few steps,
+    checkpoints under the same names. The aot_eager backend traces the backbone as inductor
+    would (dynamo, AOT autograd) without generating kernels, which take minutes to build on
+    2 CPU cores; inductor itself (whose reordered float32 arithmetic gave the same losses
+    within 4e-4 over 3 steps here) is measured by benchmarks/compile_cpu.py."""
     steps = ("train.max_steps=3",)
     eager = train(tiny_config(image_folder, tmp_path / "eager", *steps))
     compiled = train(
@@ -412,6 +413,7 @@ def test_compiled_backbone_trains_like_the_eager_one(image_folder, tmp_path):
             *steps,
             "train.compile=true",
             "train.compile_backend=aot_eager",
+            f"train.compile_scope={scope}",
         )
     )
     a, b = losses(eager), losses(compiled)
@@ -421,6 +423,39 @@ def test_compiled_backbone_trains_like_the_eager_one(image_folder, tmp_path):
     names = ckpt.read_checkpoint(ckpt.latest_checkpoint(compiled)).keys()
     assert names == ckpt.read_checkpoint(ckpt.latest_checkpoint(eager)).keys()
     assert "compiling the backbone took" in (compiled / "train.log").read_text()
+
+
+def test_compiling_by_blocks_compiles_each_kind_of_block_once():
+    """train.compile_scope=blocks on IResNet-34 (16 blocks: in each of the 4 stages a first
+    block that changes the shape and others alike): 8 graphs, the blocks compiled in place
+    (the parameters keep their names), forward and gradients as eager's; a backbone without
+    blocks is compiled whole."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from recognition.config import load_config
+    from recognition.models import build_backbone
+    from recognition.training.build import compile_model
+
+    cfg = load_config("default", ["train.compile=true", "train.compile_backend=aot_eager"])
+    torch.manual_seed(0)
+    model = build_backbone("iresnet34", image_size=32, embedding_size=16, width=0.125)
+    reference = build_backbone("iresnet34", image_size=32, embedding_size=16, width=0.125)
+    reference.load_state_dict(model.state_dict())
+    names = list(model.state_dict())
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = compile_model(model, cfg, torch.device("cpu"))
+    assert compiled is model and len(model.blocks()) == 16
+    x = torch.randn(4, 3, 32, 32)
+    compiled(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    assert counters["stats"]["unique_graphs"] == 8
+    assert list(model.state_dict()) == names
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert isinstance(compile_model(plain, cfg, torch.device("cpu")), torch._dynamo.OptimizedModule)
 
 
 def test_training_uses_one_loader_iterator_across_epochs(image_folder, tmp_path, monkeypatch):

@@ -38,6 +38,17 @@ class UnitChain(nn.Module):
     def forward_unit(self, unit: str, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def blocks(self) -> list[nn.Module]:
+        """The modules of this module's units between the stem and the embedding (each one
+        module: a residual, bottleneck or depthwise block), in forward order: what
+        train.compile_scope=blocks compiles one by one."""
+        found = []
+        for unit in self.kept_units:
+            paths = self.unit_modules(unit)
+            if unit not in ("stem", "embedding") and len(paths) == 1:
+                found.append(self.get_submodule(paths[0]))
+        return found
+
     @property
     def kept_units(self) -> tuple[str, ...]:
         """The units this module runs: all of them, or a stage's after `keep_units`."""

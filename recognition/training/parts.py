@@ -5,8 +5,10 @@ torch.compile over it with train.compile)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,7 +18,10 @@ from recognition.config import ExperimentConfig
 from recognition.distributed import DistInfo
 from recognition.heads import ShardedMarginSoftmax
 from recognition.models.cpu_layout import cpu_compile_options
+from recognition.models.units import UnitChain
 from recognition.precision import Precision, StepResult
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,18 +55,30 @@ def wrap_model(cfg: ExperimentConfig, dist_info: DistInfo, backbone: nn.Module) 
             backbone, device_ids=[device.index] if device.type == "cuda" else None
         )
     if cfg.train.compile:
-        # Compiled over the DDP wrapper, so that DDP's optimizer splits the graph at its
-        # gradient buckets and all-reduces overlap the backward pass.
+        # Whole, compiled over the DDP wrapper, so that DDP's optimizer splits the graph at
+        # its gradient buckets and all-reduces overlap the backward pass; by blocks, in place.
         model = compile_model(model, cfg, dist_info.device)
     return model
 
 
 def compile_model(model: nn.Module, cfg: ExperimentConfig, device: torch.device) -> nn.Module:
     """`model` under torch.compile with train.compile_mode and train.compile_backend, for
-    training on `device`."""
+    training on `device`: its backbone's blocks compiled in place (train.compile_scope
+    blocks, where it has blocks), or the whole of it."""
     backend, mode = cfg.train.compile_backend, cfg.train.compile_mode
+    options: dict[str, Any] = {"backend": backend, "mode": mode}
     if backend == "inductor" and device.type == "cpu":
         # No layout optimisation on a CPU: it would make the convolutions channels-last and
         # reach oneDNN's broken weight gradient (recognition.models.cpu_layout).
-        return torch.compile(model, backend=backend, options=cpu_compile_options(mode))
-    return torch.compile(model, mode=mode, backend=backend)
+        options = {"backend": backend, "options": cpu_compile_options(mode)}
+    if cfg.train.compile_scope == "blocks":
+        chain = next((m for m in model.modules() if isinstance(m, UnitChain)), None)
+        blocks = chain.blocks() if chain is not None else []
+        if blocks:
+            # In place (the parameters keep their names): Dynamo compiles a block's forward
+            # once per kind of block and reuses it for the blocks whose guards it passes.
+            for block in blocks:
+                block.compile(**options)
+            return model
+        log.info("train.compile_scope=blocks: %s has no blocks; compiled whole", cfg.model.backbone)
+    return torch.compile(model, **options)
