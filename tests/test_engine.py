@@ -437,7 +437,10 @@ def test_compiling_by_blocks_compiles_each_kind_of_block_once():
     from recognition.models import build_backbone
     from recognition.training.build import compile_model
 
-    cfg = load_config("default", ["train.compile=true", "train.compile_backend=aot_eager"])
+    cfg = load_config(
+        "default",
+        ["train.compile=true", "train.compile_backend=aot_eager", "train.compile_scope=blocks"],
+    )
     torch.manual_seed(0)
     model = build_backbone("iresnet34", image_size=32, embedding_size=16, width=0.125)
     reference = build_backbone("iresnet34", image_size=32, embedding_size=16, width=0.125)

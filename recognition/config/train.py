@@ -87,13 +87,12 @@ class TrainConfig:
         "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
     ] = "default"
     """torch.compile's mode with train.compile."""
-    compile_scope: Literal["blocks", "model"] = "blocks"
-    """What train.compile compiles. blocks: each of the backbone's blocks (residual,
-    bottleneck or depthwise) in place, one compilation per kind of block, reused by every
-    block like it (regional compilation: IResNet-50's 24 blocks make 8), the stem and the
-    embedding eager; a backbone without blocks (ViT) is compiled whole. model: the whole
-    backbone as one graph (under DDP, over the wrapper, which splits it at the gradient
-    buckets)."""
+    compile_scope: Literal["model", "blocks"] = "model"
+    """What train.compile compiles. model: the whole backbone as one graph (under DDP, over
+    the wrapper, which splits it at the gradient buckets). blocks: each of the backbone's
+    blocks (residual, bottleneck or depthwise) in place, one compilation per kind of block,
+    reused by every block like it (regional compilation: IResNet-50's 24 blocks make 8), the
+    stem and the embedding eager; a backbone without blocks (ViT) is compiled whole."""
     compile_backend: str = "inductor"
     """torch.compile's backend: inductor (the one that makes kernels), or aot_eager / eager to
     tell a compiler problem from a model problem (they trace but do not speed up)."""
