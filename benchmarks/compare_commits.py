@@ -3,6 +3,8 @@
     python -m benchmarks.compare_commits f2782d6 HEAD            # with git: exports both
     python -m benchmarks.compare_commits --tree .bisect/f2782d6 --tree .   # trees at hand
     python -m benchmarks.compare_commits f2782d6 HEAD --modes compiled --rounds 2 --json c.json
+    python -m benchmarks.compare_commits --tree .bisect/f2782d6 --tree . \
+        --tree .@train.compile_scope=blocks       # a tree again, with overrides of its own
     python -m benchmarks.compare_commits f2782d6 HEAD --device cpu --steps 2 --warmup 1 --set \
         model.backbone=iresnet18 model.width=0.125 train.batch_size=8 data.image_size=32 \
         data.channels_last=false train.compile_backend=aot_eager   # a try of the script on a CPU
@@ -98,12 +100,25 @@ def export(commit: str, into: Path) -> Path:
     return folder
 
 
-def measure(tree: Path, mode: str, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
-    """One measurement of `tree`'s step in `mode` (eager, compiled) in a fresh process."""
+def parse_tree(spec: str) -> tuple[Path, list[str]]:
+    """A --tree argument, `PATH` or `PATH@KEY=VALUE,KEY=VALUE`: the folder and the overrides
+    that this tree's measurements add after the others (a setting the other trees lack)."""
+    path, _, extra = spec.partition("@")
+    overrides = [item for item in extra.split(",") if item]
+    if any("=" not in item for item in overrides):
+        raise ValueError(f"--tree {spec}: the overrides after @ are KEY=VALUE, comma-separated")
+    return Path(path), overrides
+
+
+def measure(tree: Path, mode: str, args: argparse.Namespace, scratch: Path,
+            extra: list[str] = ()) -> dict[str, Any]:  # fmt: skip
+    """One measurement of `tree`'s step in `mode` (eager, compiled) in a fresh process, with
+    the overrides `extra` after the check's and --set's."""
     cache = Path(tempfile.mkdtemp(prefix="inductor_", dir=scratch))  # a cold compile
     env = dict(os.environ, PYTHONPATH=str(tree), TORCHINDUCTOR_CACHE_DIR=str(cache))
     command = [sys.executable, "-c", CHILD.format(config=CONFIG), mode, args.device,
-               str(CLASSES), str(args.steps), str(args.warmup), *OVERRIDES, *args.set]  # fmt: skip
+               str(CLASSES), str(args.steps), str(args.warmup),
+               *OVERRIDES, *args.set, *extra]  # fmt: skip
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -137,7 +152,9 @@ def summary_rows(runs: list[dict[str, Any]], names: list[str], modes: list[str])
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("commits", nargs="*", help="commits of this repository (needs git)")
-    parser.add_argument("--tree", type=Path, action="append", default=[], help="a source tree")
+    parser.add_argument("--tree", action="append", default=[],
+                        help="a source tree: PATH, or PATH@KEY=VALUE,... with its own "
+                        "overrides")  # fmt: skip
     parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"],
                         default=["eager", "compiled"])  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1)
@@ -158,14 +175,20 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="compare_commits_") as scratch_name:
         scratch = Path(scratch_name)
-        trees = {c: export(c, scratch / "trees") for c in args.commits}
-        trees.update({str(t): t.resolve() for t in args.tree})
+        trees = {c: (export(c, scratch / "trees"), []) for c in args.commits}
+        for spec in args.tree:
+            try:
+                path, extra = parse_tree(spec)
+            except ValueError as exc:
+                parser.error(str(exc))
+            trees[spec] = (path.resolve(), extra)
         names = list(trees)
         for round_index in range(args.rounds):
             order = names if round_index % 2 == 0 else names[::-1]
             for name in order:
                 for mode in args.modes:
-                    result = measure(trees[name], mode, args, scratch)
+                    path, extra = trees[name]
+                    result = measure(path, mode, args, scratch, extra)
                     runs.append({"tree": name, "mode": mode, "round": round_index, **result})
                     print(json.dumps(runs[-1], default=str), file=sys.stderr, flush=True)
     header = ["tree", "mode", "images/s", "x first", "ms/step", "first steps s", "host us",
