@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
+import threading
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +32,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import free_port, init_gloo_rank, needs_cuda, tiny_config, tiny_run_overrides
+from helpers import (
+    child_env,
+    free_port,
+    init_gloo_rank,
+    needs_cuda,
+    tiny_config,
+    tiny_run_overrides,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import recognition.training.loop as loop
@@ -79,9 +89,12 @@ class SyncWatcher(TorchDispatchMode):
         self.cuda = cuda
         self._watching = False
         self.syncs: list[str] = []
+        self.thread = threading.get_ident()  # the training thread: the one that installs it
 
     def record(self, what: str) -> None:
-        if self.watching:
+        # Only the training thread's: the patched methods are global, and another thread
+        # (data.decode_ahead's decoding thread) may wait without stalling the step.
+        if self.watching and threading.get_ident() == self.thread:
             stack = "".join(traceback.format_stack(limit=12)[:-2])
             self.syncs.append(f"{what}\n{stack}")
 
@@ -126,6 +139,7 @@ class SyncWatcher(TorchDispatchMode):
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """The dispatch mode and the patched methods, for the duration of the block."""
+        self.thread = threading.get_ident()
         originals = {name: getattr(torch.Tensor, name) for name in SYNCING_METHODS}
         synchronize = torch.cuda.synchronize
 
@@ -316,6 +330,20 @@ def test_the_watcher_sees_indexing_by_a_boolean_mask():
     ]
 
 
+def test_the_watcher_sees_the_training_thread_alone():
+    """A read in another thread (data.decode_ahead's decoding thread) does not stall the step:
+    not recorded; the same read in the thread that installed the watcher is."""
+    values = torch.arange(4)
+    watcher = SyncWatcher()
+    with watcher.installed(), watcher.watch(True):
+        other = threading.Thread(target=values.tolist)
+        other.start()
+        other.join()
+        assert not watcher.syncs
+        values.tolist()
+    assert [s.splitlines()[0] for s in watcher.syncs] == ["Tensor.tolist"]
+
+
 def _rank_main(rank: int, port: int, args: list[str], out: str) -> None:
     init_gloo_rank(rank, 2, port)
     watcher = SyncWatcher()
@@ -356,9 +384,10 @@ def test_steady_state_steps_do_not_sync_on_two_ranks(image_folder, tmp_path, lay
         assert not syncs, f"rank {rank}:\n{syncs[:3000]}"
 
 
-# The Triton head with the fused update, on a GPU only (on the CPU its kernels run in the
-# interpreter, which reads their arguments on the host; tests/test_head_triton.py watches
-# that step with the launches apart).
+# On a GPU, with the GPU decoder (data.decode=auto decodes the tiny folder's JPEGs on the
+# device, in the decode-ahead thread). The Triton head's case runs in a process of its own:
+# this suite interprets the kernels (conftest.py sets TRITON_INTERPRET=1, read once, at
+# triton's import), and interpreted kernels read their arguments on the host.
 CUDA_CASES = {
     **{name: CASES[name] for name in ("O1-bf16-clip-sgd", "O0-noclip-adamw-accumulate")},
     "O1-bf16-triton-fused-update": (
@@ -369,6 +398,23 @@ CUDA_CASES = {
         "head.fused_update=true",
     ),
 }
+COMPILED_KERNELS = {"O1-bf16-triton-fused-update"}
+
+# The case in a child process, its kernels compiled: writes the syncs, one per paragraph.
+CHILD = """
+import sys
+import pytest
+sys.path[:0] = [{tests!r}]
+from test_host_sync import CUDA_CASES, SyncWatcher, config, watch_steady_state
+from recognition.training import train
+from pathlib import Path
+watcher = SyncWatcher(cuda=True)
+with pytest.MonkeyPatch.context() as monkeypatch:
+    watch_steady_state(monkeypatch, watcher)
+    train(config(Path(sys.argv[1]), Path(sys.argv[2]), "train.device=cuda",
+                 *CUDA_CASES[sys.argv[3]]))
+Path(sys.argv[4]).write_text("\\n\\n".join(watcher.syncs))
+"""
 
 
 @needs_cuda
@@ -376,6 +422,18 @@ CUDA_CASES = {
 def test_steady_state_steps_do_not_sync_on_cuda(image_folder, tmp_path, monkeypatch, case):
     """torch.cuda.set_sync_debug_mode("error") raises on any synchronising CUDA call made
     while watched; the dispatch mode records the rest (a value read, a copy to the CPU)."""
+    if case in COMPILED_KERNELS:
+        env = {k: v for k, v in child_env().items() if k != "TRITON_INTERPRET"}
+        script = CHILD.format(tests=str(Path(__file__).resolve().parent))
+        syncs = tmp_path / "syncs.txt"
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(image_folder), str(tmp_path / "run"), case,
+             str(syncs)],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert not syncs.read_text(), f"host syncs, the first:\n{syncs.read_text()[:3000]}"
+        return
     watcher = SyncWatcher(cuda=True)
     watch_steady_state(monkeypatch, watcher)
     train(config(image_folder, tmp_path / "run", "train.device=cuda", *CUDA_CASES[case]))

@@ -42,9 +42,10 @@ sys.path[:0] = [str(TESTS.parent), str(TESTS)]
 import torch  # noqa: E402
 from test_head import assert_close_rel, make_batch, psi_arcface, reference_loss  # noqa: E402
 
-from recognition.heads import ShardedMarginSoftmax, tuning  # noqa: E402
+from recognition.heads import ShardedMarginSoftmax  # noqa: E402
 from recognition.heads import margin_softmax as head_module  # noqa: E402
 from recognition.heads.margins import ArcFace  # noqa: E402
+from recognition.heads.tuning.measure import TuningCache  # noqa: E402
 
 
 class Sizes:
@@ -204,7 +205,7 @@ def check_auto(sizes: Sizes, device: torch.device) -> str:
             assert_close_rel(a, b, 1e-4)
         chosen = [line for line in lines.lines if line.startswith("head.kernel=auto: ")]
         assert len(chosen) == 1 and "measured" in chosen[0], lines.lines
-        assert tuning.TuningCache(folder).entries("kernel"), "nothing cached"
+        assert TuningCache(folder).entries("kernel"), "nothing cached"
         second = ShardedMarginSoftmax(1000, 128, ArcFace(), tuning_cache=folder).to(device)
         step(second, embeddings, labels)
         assert f"from {Path(folder) / 'head-kernel.json'}" in lines.lines[-1], lines.lines[-1]
@@ -223,7 +224,7 @@ def check_tuned_tiles(sizes: Sizes, device: torch.device) -> str:
         embeddings, labels = batch(big, device, seed=8)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             got, want = step(fast, embeddings, labels), step(slow, embeddings, labels)
-        entries = tuning.TuningCache(folder).entries("tiles")
+        entries = TuningCache(folder).entries("tiles")
     for a, b in zip(got, want, strict=True):
         assert_close_rel(a, b, 2e-2)
     assert [e["key"]["kernel"] for e in entries] == ["forward_keep"]  # chunk size None

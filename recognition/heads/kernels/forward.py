@@ -80,7 +80,8 @@ def _forward_kernel(
         row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(probabilities, 1)
         row_max = new_max
         if KEEP:  # for the backward: exp(logit - shift) in the matmul dtype, and the shift
-            k_ptrs = KEPT + offs_n[:, None] * stride_kn + offs_c[None, :]
+            # int64 offsets: the kept (N, K) passes 2^31 elements (1,024 rows x 10M classes)
+            k_ptrs = KEPT + offs_n.to(tl.int64)[:, None] * stride_kn + offs_c[None, :]
             k_mask = n_mask[:, None] & c_mask[None, :]
             tl.store(k_ptrs, probabilities.to(KEPT.dtype.element_ty), mask=k_mask)
             # The last split may run past the chunk's tiles: those store nothing.

@@ -114,7 +114,8 @@ def _grad_logits_kernel(
         INPUT_PRECISION, UPCAST,
     )  # fmt: skip
     grad = _grad_dots(raw, inv_norm, offs_c, c_mask, target, shift, grad_scale, scale)
-    g_ptrs = G + offs_n[:, None] * stride_gn + offs_c[None, :]
+    # int64 offsets: N x K passes 2^31 elements (1,024 rows x 10M classes)
+    g_ptrs = G + offs_n.to(tl.int64)[:, None] * stride_gn + offs_c[None, :]
     tl.store(g_ptrs, grad.to(G.dtype.element_ty), mask=n_mask[:, None] & c_mask[None, :])
 
 
@@ -135,7 +136,7 @@ def _scale_kept_kernel(
     tile_shift = tl.load(TILE_SHIFT + tile.to(tl.int64) * num_rows + offs_n, mask=n_mask, other=0.0)
     inv_norm = tl.load(INV_NORM + offs_c, mask=c_mask, other=0.0)
     factor = tl.exp(tile_shift - shift) * grad_scale  # <= |g s|: the tile's max <= the max
-    ptrs = KEPT + offs_n[:, None] * stride_kn + offs_c[None, :]
+    ptrs = KEPT + offs_n.to(tl.int64)[:, None] * stride_kn + offs_c[None, :]  # int64: N x K
     mask = n_mask[:, None] & c_mask[None, :]
     kept = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     grad = kept * factor[:, None] * inv_norm[None, :]
