@@ -332,6 +332,7 @@ def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
         "aten operations per step (CPU count)", "augment on the device, data.augment=face",
         "model only, eager, mbf", "model only, eager, vit_b",
         "end to end, data.decode=cpu", "end to end, data.decode=gpu", "model only, compiled",
+        "model only, compiled by blocks",
     ]  # fmt: skip
     ops = throughput["aten operations per step (CPU count)"]
     assert ops["status"] == "ok" and ops["data"]["ops_per_step"] == sum(
@@ -409,6 +410,23 @@ def test_the_memory_plan_row_holds_the_measured_peak_to_10_percent(
     assert row["data"]["ratio"] == pytest.approx(measured_over_planned)
     assert f"x{measured_over_planned:.3f}" in row["result"]
     assert json.loads(run.result_path.read_text())["rows"][0]["met"] is met
+
+
+@pytest.mark.parametrize(
+    "rate, first_s, met", [(6000.0, 19.0, True), (5600.0, 19.0, False), (6000.0, 21.0, False)]
+)
+def test_a_compiled_row_is_held_to_its_speedup_over_eager_and_its_first_steps(
+    tmp_path, rate, first_s, met
+):
+    run, _ = planned_run(tmp_path)
+    step_s = 256 / rate
+    model = {"images_per_s": rate, "step_ms": 1000 * step_s, "tflops": 200.0,
+             "warmup_s": first_s, "gpu_memory_mib": 7168.0}  # fmt: skip
+    gpu_throughput._compiled_row(run, "model only, compiled by blocks", model, 800.0, 5000.0)
+    [row] = run.rows
+    assert row["met"] is met and row["target"] == ">= x1.15 eager, first steps <= 20 s"
+    assert row["data"]["speedup_over_eager"] == pytest.approx(rate / 5000.0)
+    assert f"x{rate / 5000.0:.2f} eager" in row["result"] and "(25 % of mm)" in row["result"]
 
 
 def test_a_plan_that_fails_is_a_failed_row_and_the_section_goes_on(tmp_path):
