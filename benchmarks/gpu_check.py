@@ -21,8 +21,8 @@ benchmarks/gpu_throughput.py the throughput):
                plan, the aten operations of its step counted on the CPU
                (benchmarks/step_ops.py), the data.augment=face batch on the device
                (augment_batch) against the model's step, end to end from a JPEG folder it
-               generates with data.decode cpu and gpu, and compiled last, whole and
-               by blocks (benchmarks/train_throughput.py);
+               generates with data.decode cpu and gpu, and compiled last: whole, by
+               blocks, and with CUDA graphs (benchmarks/train_throughput.py);
 4. multi_gpu   with 2 GPUs: a DDP run with SyncBN and a 2-stage pipeline run
                (benchmarks/train_scaling.py's run_one); skipped, and said so, on one;
 5. training    `python train.py` of the default config at 112 px on the GPU, to its

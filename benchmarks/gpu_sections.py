@@ -139,10 +139,13 @@ def case_reserve(num_classes: int) -> float:
     return CASE_RESERVE_S + CASE_RESERVE_PER_MILLION_S * num_classes / 1e6
 
 
-HEAD_VARIANTS = (  # most valuable first: the Triton kernel, torch, the fused update
+HEAD_VARIANTS = (  # most valuable first: the Triton kernel, torch, the fused update, and
+    # the fused update recomputing its logits in chunks (head.chunk_size): whether keeping
+    # them pays at each class count, side by side
     ("triton", "sharded", False),
     ("torch", "sharded-chunked", False),
     ("triton + fused update", "sharded", True),
+    ("triton + fused update, recomputed", "sharded-chunked", True),
 )
 
 

@@ -313,7 +313,7 @@ def test_smoke_runs_every_section_or_says_why_not(smoke):
 def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
     report = json.loads(smoke[1].read_text())
     head = rows_of(report, "head")
-    for label in ("triton", "torch", "triton + fused update"):
+    for label in ("triton", "torch", "triton + fused update", "triton + fused update, recomputed"):
         row = head[f"{label}, 512 classes"]
         assert row["status"] == "ok" and row["data"]["ms_per_step"] > 0, row
         assert row["data"]["case"]["kernel"] == ("torch" if label == "torch" else "triton")
@@ -332,7 +332,7 @@ def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
         "aten operations per step (CPU count)", "augment on the device, data.augment=face",
         "model only, eager, mbf", "model only, eager, vit_b",
         "end to end, data.decode=cpu", "end to end, data.decode=gpu", "model only, compiled",
-        "model only, compiled by blocks",
+        "model only, compiled by blocks", "model only, compiled, CUDA graphs",
     ]  # fmt: skip
     ops = throughput["aten operations per step (CPU count)"]
     assert ops["status"] == "ok" and ops["data"]["ops_per_step"] == sum(
@@ -631,7 +631,8 @@ def test_the_head_rows_compare_with_the_torch_path(monkeypatch, tmp_path):
     gpu_sections.section_head(run)
     rows = {row["what"]: row for row in run.rows}
     plan = gpu_sections.head_plan(run)
-    speed_up = {"triton": 4.0, "torch": None, "triton + fused update": 8.0}
+    speed_up = {"triton": 4.0, "torch": None, "triton + fused update": 8.0,
+                "triton + fused update, recomputed": 8.0}  # fmt: skip
     for label, _, fused in gpu_sections.HEAD_VARIANTS:
         row, x_torch = rows[f"{label}, 512 classes"], speed_up[label]
         seconds = step_s["torch" if label == "torch" else "triton", fused]
