@@ -15,7 +15,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from recognition.config import EvalTarget, ExperimentConfig
+from recognition.config import DataConfig, EvalTarget, ExperimentConfig
 from recognition.config.experiment import lies_in
 from recognition.data.formats import resolve_format
 from recognition.registry import PROTOCOLS, load
@@ -34,7 +34,7 @@ def input_problems(cfg: ExperimentConfig) -> list[str]:
         try:
             resolve_format(cfg.data)
         except OSError as exc:
-            problems.append(str(exc))
+            problems.append(str(exc) + _synthetic_hint(cfg))
     if cfg.eval.at_end or cfg.eval.every_steps:
         for target in cfg.eval.targets or []:
             if awaits_generation(cfg, target):
@@ -71,6 +71,16 @@ def input_problems(cfg: ExperimentConfig) -> list[str]:
         if not found:
             problems.append(f"train.hooks[{i}]: no module {module!r} (for {code})")
     return problems
+
+
+def _synthetic_hint(cfg: ExperimentConfig) -> str:
+    """For a data.root left at the built-in set's place while data.synthetic.root moved it:
+    where the set is generated now, and the override that reads it there."""
+    default_root = DataConfig.__dataclass_fields__["root"].default
+    moved = Path(cfg.data.synthetic.root) / "train"
+    if cfg.data.root != default_root or lies_in(default_root, cfg.data.synthetic.root):
+        return ""
+    return f" (data.synthetic.root puts the built-in set's images in {moved}: data.root={moved})"
 
 
 def awaits_generation(cfg: ExperimentConfig, target: EvalTarget) -> bool:

@@ -31,6 +31,23 @@ def test_a_missing_data_root_stops_before_anything_is_made(tmp_path, monkeypatch
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
 
 
+def test_a_moved_synthetic_set_names_the_data_root_that_reads_it(tmp_path, monkeypatch):
+    """data.synthetic.root elsewhere, data.root left at the built-in set's place: the line
+    says where the set's images go and the override that reads them; nothing generated."""
+    monkeypatch.chdir(tmp_path)
+    moved = tmp_path / "elsewhere"
+    cfg = load_config("default", [f"data.synthetic.root={moved}", f"output_dir={tmp_path / 'r'}"])
+    assert input_problems(cfg) == [
+        "data.root: data/synthetic/train does not exist (data.synthetic.root puts the built-in "
+        f"set's images in {moved / 'train'}: data.root={moved / 'train'})"
+    ]
+    assert not moved.exists()
+    # Where data.root follows it, the set is generated on first use: nothing to report.
+    cfg = load_config("default", [f"data.synthetic.root={moved}", f"data.root={moved / 'train'}",
+                                  f"output_dir={tmp_path / 'r'}"])  # fmt: skip
+    assert input_problems(cfg) == []
+
+
 def test_every_problem_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     taken = tmp_path / "taken"
