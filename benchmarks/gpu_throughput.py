@@ -105,11 +105,7 @@ def _compiled_row(run: SectionRun, what: str, model: dict, matmul: float, eager:
     """A compiled model-only row, held to COMPILED_SPEEDUP x the eager row's images/s and its
     first steps (the compile, cold) to COMPILED_FIRST_S."""
     speedup = model["images_per_s"] / eager
-    percent = 100 * model["tflops"] / matmul
-    text = f"{model['images_per_s']:,.0f} images/s, x{speedup:.2f} eager, {model['tflops']:.1f} "
-    text += f"TFLOP/s ({percent:.0f} % of mm), first steps {model['warmup_s']:.1f} s"
-    if model["gpu_memory_mib"] is not None:
-        text += f", {model['gpu_memory_mib'] / 1024:.1f} GiB"
+    percent, text = _model_text(model, matmul, f"x{speedup:.2f} eager, ")
     target = f">= x{COMPILED_SPEEDUP} eager, first steps <= {COMPILED_FIRST_S:.0f} s"
     met = speedup >= COMPILED_SPEEDUP and model["warmup_s"] <= COMPILED_FIRST_S
     run.add(what, text, target=target, met=met, percent_of_matmul=percent,
@@ -170,15 +166,22 @@ def _family_rows(run: SectionRun, plan: ThroughputPlan, base: list[str], device,
 def _model_row(run: SectionRun, what: str, model: dict, matmul: float, *,
                target: bool = True, **extra: Any) -> None:  # fmt: skip
     """A model-only row; `target`: held to the IResNet-50 target of 5,000 images/s."""
-    percent = 100 * model["tflops"] / matmul
-    text = f"{model['images_per_s']:,.0f} images/s, {model['tflops']:.1f} TFLOP/s "
-    text += f"({percent:.0f} % of mm), first steps {model['warmup_s']:.1f} s"
-    if model["gpu_memory_mib"] is not None:
-        text += f", {model['gpu_memory_mib'] / 1024:.1f} GiB"
+    percent, text = _model_text(model, matmul)
     wanted = None if run.smoke or not target else ">= 5,000 images/s"
     run.add(what, text, target=wanted,
             met=None if wanted is None else model["images_per_s"] >= 5000,
             percent_of_matmul=percent, **extra, **model)  # fmt: skip
+
+
+def _model_text(model: dict, matmul: float, after_rate: str = "") -> tuple[float, str]:
+    """A model-only measurement's % of the matmul rate and its row text (`after_rate` after
+    its images/s)."""
+    percent = 100 * model["tflops"] / matmul
+    text = f"{model['images_per_s']:,.0f} images/s, {after_rate}{model['tflops']:.1f} TFLOP/s "
+    text += f"({percent:.0f} % of mm), first steps {model['warmup_s']:.1f} s"
+    if model["gpu_memory_mib"] is not None:
+        text += f", {model['gpu_memory_mib'] / 1024:.1f} GiB"
+    return percent, text
 
 
 def _plan_row(run: SectionRun, plan: ThroughputPlan, base: list[str], model: dict) -> None:
