@@ -76,7 +76,7 @@ def input_problems(cfg: ExperimentConfig) -> list[str]:
 def _synthetic_hint(cfg: ExperimentConfig) -> str:
     """For a data.root left at the built-in set's place while data.synthetic.root moved it:
     where the set is generated now, and the override that reads it there."""
-    default_root = DataConfig.__dataclass_fields__["root"].default
+    default_root = DataConfig.root  # the field's default
     moved = Path(cfg.data.synthetic.root) / "train"
     if cfg.data.root != default_root or lies_in(default_root, cfg.data.synthetic.root):
         return ""
