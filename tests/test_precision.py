@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from recognition.config import OptimConfig
 from recognition.optim import build_optimizer
@@ -348,9 +349,50 @@ def test_o2_grads_reach_masters_and_zero_grad_clears_both() -> None:
         assert master.grad is not None and master.grad.dtype == torch.float32
         if master is not param:
             assert torch.equal(master.grad, param.grad.float())
+            # The copy is a plain gradient, not a node of the graph over the masters.
+            assert not master.grad.requires_grad and master.grad.grad_fn is None
     precision.zero_grad(optimizer)
     for _, param, master in precision.masters():
         assert param.grad is None and master.grad is None
+
+
+class _OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _o2_step_ops(num_layers: int) -> int:
+    """Aten operations one O2 step() dispatches for `num_layers` Linear layers, after a
+    first step (the masters' gradients then exist and are copied in place)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(num_layers)])
+    precision = Precision("O2", "bf16", CPU)
+    precision.prepare(model)
+    groups = precision.param_groups([{"params": list(model.parameters())}])
+    optimizer = torch.optim.SGD(groups, lr=0.1, foreach=True)
+    x = torch.randn(2, 4)
+    counts = []
+    for _ in range(2):
+        with precision.autocast():
+            loss = model(precision.cast_inputs(x)).float().square().mean()
+        precision.backward(loss)
+        counter = _OpCount()
+        with counter:
+            precision.step(optimizer)
+        counts.append(counter.count)
+    return counts
+
+
+def test_o2_step_dispatches_the_same_operations_for_any_number_of_parameters() -> None:
+    # The half gradients go to the masters and the masters back to the model in multi-tensor
+    # operations: a loop per parameter (the host's work on a GPU) would grow with the model.
+    few, many = _o2_step_ops(2), _o2_step_ops(12)
+    assert few == many, (few, many)
 
 
 def test_norm_of_large_fp16_grads_does_not_overflow() -> None:

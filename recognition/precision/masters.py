@@ -103,21 +103,36 @@ class MasterWeights:
     # ---------------------------------------------------------------- the step
 
     def grads_to_masters(self) -> None:
+        """The half gradients into the masters' `.grad`, in fp32: one multi-tensor operation
+        for those the masters lack (a new fp32 copy each) and one for those they hold (the
+        copy made in place), not one per parameter (`benchmarks/step_ops.py` counts them)."""
+        fresh: tuple[list[Tensor], list[Tensor]] = ([], [])
+        held: tuple[list[Tensor], list[Tensor]] = ([], [])
         for _, param, master in self.items():
             if master is param:
                 continue
             if param.grad is None:
                 master.grad = None  # unused this step: the optimizer skips it
-            elif master.grad is None:
-                master.grad = param.grad.detach().to(torch.float32)
             else:
-                master.grad.copy_(param.grad)
+                into = fresh if master.grad is None else held
+                into[0].append(master)
+                into[1].append(param.grad)
+        if fresh[0]:
+            # The functional form of _foreach_copy_: new tensors shaped and typed like the
+            # masters (fp32), holding the half gradients' values.
+            with torch.no_grad():  # the masters require grad; their gradients do not
+                copies = torch.ops.aten._foreach_copy.default(fresh[0], fresh[1])
+            for master, grad in zip(fresh[0], copies, strict=True):
+                master.grad = grad
+        if held[0]:
+            torch._foreach_copy_([m.grad for m in held[0]], held[1])
 
     def masters_to_model(self) -> None:
-        with torch.no_grad():
-            for _, param, master in self.items():
-                if master is not param:
-                    param.copy_(master)
+        """The masters' values into the half model, rounded: one multi-tensor copy."""
+        pairs = [(param, master) for _, param, master in self.items() if master is not param]
+        if pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
     def zero_model_grads(self) -> None:
         for param in self.params.values():
