@@ -12,7 +12,7 @@ the other; this asks whether the average wins in both. It reads the backbones th
 comparison left under WORK (`seed<S>/pretrain/backbone.pt` and
 `seed<S>/<domain>/<variant>/backbone.pt`), writes each average beside nothing (a temporary
 file), and verifies it with `evaluate.py` on the domain's test pairs (WORK/data/test-<domain>).
-No training: about 20 s per evaluation on one CPU core at 64 px.
+No training: about 15 s per evaluation on one CPU core at 64 px.
 
 The table: per domain and alpha, the accuracy (mean over seeds) and its gain over the
 backbone not fine-tuned and over plain `train.init_backbone` (the comparison's own rows,
