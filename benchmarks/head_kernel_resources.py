@@ -113,16 +113,19 @@ def recorded_launches():
             setattr(module, name, kernel)
 
 
-def launches_for(dim: int, weight_dtype, matmul: str, num_rows: int, num_sms: int) -> list[Launch]:
+def launches_for(
+    dim: int, weight_dtype, matmul: str, num_rows: int, num_sms: int, capability: int = 90
+) -> list[Launch]:
     """Every distinct launch of the host wrappers for this configuration (meta tensors);
-    `matmul` one of DTYPES (tf32: float32 operands with TF32 allowed)."""
+    `matmul` one of DTYPES (tf32: float32 operands with TF32 allowed); the tiles those of a
+    GPU of compute `capability` (90: sm_90)."""
     import torch
 
     from recognition.heads.kernels import margin_softmax_triton as kernels
 
     matmul_dtype = getattr(torch, "float32" if matmul == "tf32" else matmul)
     operands = {"float32": "fp32", "tf32": "tf32"}.get(matmul, "half")
-    tiles = kernels.gpu_tiles(dim, num_sms, operands)
+    tiles = kernels.gpu_tiles(dim, num_sms, operands, tma=capability >= 90)
     num_classes = 100_003  # not a multiple of any tile
     meta = {"device": "meta"}
     weight = torch.empty(num_classes, dim, dtype=weight_dtype, **meta)
@@ -172,6 +175,7 @@ def _specialise(launch: Launch):
     """Signature, constexprs and attributes as Triton's launcher would make them."""
     import torch
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     pointer_types = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
                      torch.int64: "*i64", torch.int32: "*i32"}  # fmt: skip
@@ -183,6 +187,9 @@ def _specialise(launch: Launch):
         if isinstance(value, torch.Tensor):
             signature[param.name] = pointer_types[value.dtype]
             attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, TensorDescriptor):  # a host-side descriptor, by its block
+            element = pointer_types[value.base.dtype].removeprefix("*")
+            signature[param.name] = f"tensordesc<{element}{list(value.block_shape)}>"
         elif isinstance(value, bool):
             signature[param.name] = "i1"
         elif isinstance(value, int):
@@ -271,7 +278,10 @@ def _measure(dims, weight_dtypes, matmul_dtypes, capability, num_rows, num_sms, 
         for weight_name in weight_dtypes:
             for matmul_name in matmul_dtypes:
                 weight_dtype = getattr(torch, weight_name)
-                for launch in launches_for(dim, weight_dtype, matmul_name, num_rows, num_sms):
+                launches = launches_for(
+                    dim, weight_dtype, matmul_name, num_rows, num_sms, capability
+                )
+                for launch in launches:
                     if variants is not None and launch.name not in variants:
                         continue
                     c = launch.constexprs

@@ -383,3 +383,26 @@ def test_the_forward_tries_the_larger_tiles_ptxas_allowed(tiling):
     assert tiling.rounded_forward_candidates(table, torch.float32, 512) == tiling.candidates(
         512, table
     )
+
+
+def test_the_forward_keeping_its_logits_tries_the_forwards_tiles_where_tma_stores_them(tiling):
+    # From sm_90 the kept tile leaves through shared memory (a tensor descriptor's TMA
+    # store): the keeping forward fits the forward's tiles and tries its larger ones. Before
+    # sm_90 the store takes registers: narrower tiles, and the footprint rule's neighbours.
+    kernels = triton_stats.triton_kernels()
+    hopper = kernels.gpu_tiles(512, 132, "half", tma=True)
+    ampere = kernels.gpu_tiles(512, 108, "half", tma=False)
+    assert hopper.forward_keep == hopper.forward == ampere.forward
+    assert ampere.forward_keep.block_n < ampere.forward.block_n
+    shape = small_shape(tiling, keeps_logits=True, matmul_dtype=torch.bfloat16)
+    problem = tiling.ScratchProblem(torch.device("cpu"), shape)
+    tried = []
+    problem.run = lambda name, config: tried.append(config.forward_keep)  # nothing launched
+    d_pad = kernels.padded_dim(shape.dim)
+    for table, expected in (
+        (hopper, tiling.rounded_forward_candidates(hopper.forward, torch.bfloat16, d_pad)),
+        (ampere, tiling.candidates(d_pad, ampere.forward_keep)),
+    ):
+        tried.clear()
+        tiling.tune_kernel("forward_keep", problem, table, lambda run: run() or 1e-3)
+        assert tried == expected and len(tried) > 1

@@ -27,8 +27,11 @@ row of statistics never serialises the whole shard onto one program.
 With `keep` (head.chunk_size None) each tile also stores exp(logit - shift) in the matmul
 dtype, shift being its program's running max once the tile is in, and the shift (N,) per
 tile, fp32: the backward rescales them to the final max (exp(shift - max) <= 1) instead of
-recomputing the logits. On the tiles `TileConfig.forward_keep` (the store of a tile of them
-takes registers: tiles.py).
+recomputing the logits. The tile goes out through a tensor descriptor of the chunk's
+columns (`kept_buffer` pads the rows to the 16-byte stride it needs): on sm_90 a TMA store
+from shared memory, which leaves the registers to the product, so the keeping forward runs
+on the forward's tiles (`TileConfig.forward_keep`; tiles.py has ptxas's figures); stored
+through a tensor of 64-bit addresses it needed 222 registers at half the rows.
 
 Import this module only when the kernels are needed: `triton.jit` reads TRITON_INTERPRET at
 import time.
@@ -42,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from recognition.heads.kernels import host
 from recognition.heads.kernels.blocks import _logits, _row_block, _tile_dots
@@ -56,7 +60,7 @@ CHUNK_ROW_VALUES = 1 << 25
 @triton.jit
 def _forward_kernel(
     W, E, INV_NORM, TARGET, PART_MAX, PART_SUM, KEPT, TILE_SHIFT,
-    num_classes, num_rows, dim, stride_wc, stride_en, stride_kn, scale, tiles_per_split,
+    num_classes, num_rows, dim, stride_wc, stride_en, scale, tiles_per_split,
     KEEP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, D_PAD: tl.constexpr, MM_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -80,16 +84,24 @@ def _forward_kernel(
         row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(probabilities, 1)
         row_max = new_max
         if KEEP:  # for the backward: exp(logit - shift) in the matmul dtype, and the shift
-            # int64 offsets: the kept (N, K) passes 2^31 elements (1,024 rows x 10M classes)
-            k_ptrs = KEPT + offs_n.to(tl.int64)[:, None] * stride_kn + offs_c[None, :]
-            k_mask = n_mask[:, None] & c_mask[None, :]
-            tl.store(k_ptrs, probabilities.to(KEPT.dtype.element_ty), mask=k_mask)
+            # Through the tensor descriptor of the chunk's columns (a TMA store from shared
+            # memory on sm_90): rows and classes past its shape are not written, and its
+            # coordinates are not offsets (no 32-bit overflow at 1,024 rows x 10M classes).
+            KEPT.store([tl.program_id(0) * BLOCK_N, tile * BLOCK_C], probabilities.to(MM_DTYPE))
             # The last split may run past the chunk's tiles: those store nothing.
             in_chunk = n_mask & (tile * BLOCK_C < num_classes)
             tl.store(TILE_SHIFT + tile.to(tl.int64) * num_rows + offs_n, shift, mask=in_chunk)
     out = pid_s * num_rows + offs_n
     tl.store(PART_MAX + out, row_max, mask=n_mask)
     tl.store(PART_SUM + out, row_sum, mask=n_mask)
+
+
+def kept_buffer(num_rows: int, num_classes: int, dtype: torch.dtype, device) -> Tensor:
+    """The (N, K) tensor the forward keeps the exponentials in: a view of (N, K padded) whose
+    row stride is a multiple of 16 bytes, as a tensor descriptor's must be."""
+    per_16_bytes = max(1, 16 // dtype.itemsize)
+    padded = triton.cdiv(max(num_classes, 1), per_16_bytes) * per_16_bytes
+    return torch.empty((num_rows, padded), dtype=dtype, device=device)[:, :num_classes]
 
 
 def inverse_norms(weight: Tensor, row_index: Tensor | None, eps: float) -> Tensor:
@@ -155,7 +167,7 @@ def class_stats(
     kept = None
     if keep:
         kept = KeptLogits(
-            norm_embeddings.new_empty((num_rows, num_classes), dtype=matmul_dtype),
+            kept_buffer(num_rows, num_classes, matmul_dtype, norm_embeddings.device),
             norm_embeddings.new_empty((triton.cdiv(num_classes, block_c), num_rows)),
             block_c,
         )
@@ -171,15 +183,17 @@ def class_stats(
         part_max = norm_embeddings.new_empty((num_splits, num_rows), dtype=torch.float32)
         part_sum = torch.empty_like(part_max)
         # Placeholders where nothing is kept (the kernel does not read them then).
-        kept_args = (part_max, part_max, 0)
+        kept_args = (part_max, part_max)
         if kept is not None:  # the chunk's columns and tiles (a chunk is whole tiles)
-            columns = kept.probabilities[:, first:end]
-            kept_args = (columns, kept.tile_shift[first // block_c :], columns.stride(0))
+            columns = TensorDescriptor.from_tensor(
+                kept.probabilities[:, first:end], [kernel_tiles.block_n, block_c]
+            )
+            kept_args = (columns, kept.tile_shift[first // block_c :])
         # Positions within the chunk: a target elsewhere matches none of its classes.
         launch(_forward_kernel, (row_blocks, num_splits),
             chunk_rows, mm_embeddings, inv_norm[first:end], target_pos - first, part_max,
-            part_sum, *kept_args[:2], end - first, num_rows, dim, chunk_rows.stride(0),
-            mm_embeddings.stride(0), kept_args[2], float(scale), per_split,
+            part_sum, *kept_args, end - first, num_rows, dim, chunk_rows.stride(0),
+            mm_embeddings.stride(0), float(scale), per_split,
             KEEP=kept is not None, **settings,
         )  # fmt: skip
         del chunk_rows

@@ -13,13 +13,18 @@ same figures), in tf32, and in fp32 without TF32 (tl.dot on the CUDA cores):
 
     kernel         tiles CxNxD, warps, stages      bf16/fp16         tf32
     forward        128x128x32 w8 s3                49,152 / 173      98,304 / 202
-    forward, keep  128x64x32 w8 s3                 36,864 / 222      73,728 / 212
-    fp32: forward 64x64x16 w4 s2 (8,192 / 165), keeping its logits (8,192 / 255)
+    forward, keep  128x128x32 w8 s3                81,920 / 199      163,840 / 205
+    fp32: forward 64x64x16 w4 s2 (8,192 / 165), keeping its logits (24,576 / 168)
 
 The forward that keeps its logits for the backward stores a (rows, classes) tile of them
-per step of its class loop: at 128x128 that spills (255 registers, 180 bytes of spill
-stores, with 8 warps; 16 warps allow 128 registers and spill more), at 128 classes x 64
-rows it fits.
+per step of its class loop, through a tensor descriptor (forward.py): on sm_90 a TMA store
+from shared memory, which costs shared memory and few registers, so it runs on the
+forward's tiles (and fits every larger tile the tuner tries, `ROUNDED_FORWARD`: 254
+registers at most, no spill, at most 212,992 bytes). Before sm_90 (A100, sm_80) the store
+goes through registers: at 128x128 it spills (255 registers, 272 bytes of spill stores);
+there it keeps 128 classes x 64 rows (206 registers). Stored through a tensor of
+addresses (the kernel before the descriptor), the keeping forward took 222 registers on
+sm_90 at 128x64 and spilled at 128x128.
 
 These tiles are chosen for what fits, and bound what is tried: on a GPU, heads/tuning/tiles.py
 times them and larger ones ptxas showed to fit at the run's shapes and keeps the fastest
@@ -140,10 +145,10 @@ INTERPRETER_TILES = TileConfig(
 )
 
 
-# GPU tiles by operand kind, (forward, forward keeping its logits) (see the module docstring
-# for what ptxas reports for them on sm_90). "half": bf16 or fp16 operands, "tf32": fp32
-# operands on the tensor cores, "fp32": without TF32, tl.dot on the CUDA cores, which needs
-# far more registers.
+# GPU tiles by operand kind, (forward, forward keeping its logits before sm_90) (see the
+# module docstring for what ptxas reports for them). "half": bf16 or fp16 operands, "tf32":
+# fp32 operands on the tensor cores, "fp32": without TF32, tl.dot on the CUDA cores, which
+# needs far more registers.
 _TENSOR_CORE_FORWARD = (
     KernelTiles(block_c=128, block_n=128, block_d=32, num_warps=8, num_stages=3),
     KernelTiles(block_c=128, block_n=64, block_d=32, num_warps=8, num_stages=3),
@@ -155,17 +160,23 @@ _GPU_TILES = {
     "fp32": (_FP32_FORWARD, _FP32_FORWARD),
 }
 OPERAND_KINDS = tuple(_GPU_TILES)
+TMA_CAPABILITY = (9, 0)
+"""From sm_90 (Hopper) a tensor descriptor's store is a TMA store from shared memory."""
 
 
 @functools.lru_cache(maxsize=64)
-def gpu_tiles(dim: int, num_sms: int, operands: str = "half") -> TileConfig:
+def gpu_tiles(dim: int, num_sms: int, operands: str = "half", tma: bool = True) -> TileConfig:
     """Tiles for embeddings of `dim` on a GPU with `num_sms` SMs, for `operands` "half" (bf16
-    or fp16), "tf32" or "fp32" (fp32 without TF32). The forward sums over D in BLOCK_D steps,
-    so its tiles do not depend on `dim`."""
+    or fp16), "tf32" or "fp32" (fp32 without TF32); `tma`: the GPU stores through tensor
+    descriptors from shared memory (sm_90 and later), where the forward keeping its logits
+    fits the forward's tiles. The forward sums over D in BLOCK_D steps, so its tiles do not
+    depend on `dim`."""
     if operands not in _GPU_TILES:
         raise ValueError(f"gpu_tiles: operands must be one of {OPERAND_KINDS}, got {operands!r}")
     forward, forward_keep = _GPU_TILES[operands]
-    return TileConfig(forward, target_programs=4 * num_sms, forward_keep=forward_keep)
+    return TileConfig(
+        forward, target_programs=4 * num_sms, forward_keep=forward if tma else forward_keep
+    )
 
 
 def default_tiles(device: torch.device, dim: int, matmul_dtype: torch.dtype) -> TileConfig:
@@ -177,7 +188,8 @@ def default_tiles(device: torch.device, dim: int, matmul_dtype: torch.dtype) -> 
         operands = "half"
     else:
         operands = "tf32" if input_precision(matmul_dtype, device) == "tf32" else "fp32"
-    return gpu_tiles(dim, num_sms, operands)
+    tma = torch.cuda.get_device_capability(device) >= TMA_CAPABILITY
+    return gpu_tiles(dim, num_sms, operands, tma)
 
 
 def input_precision(matmul_dtype: torch.dtype, device: torch.device) -> str:

@@ -6,7 +6,9 @@ benchmarks.head_kernel_resources`): they bound what fits, not what is fastest. O
 forward kernel the run uses (whose tiles the backward's gradient-of-logits kernel runs on
 too; or the forward that keeps its logits, `forward_keep`) is timed here at the run's
 shapes with each of its candidates - the table's tiles and, for the forward on half
-operands, larger tiles ptxas showed to fit on rounded rows (`ROUNDED_FORWARD`), else their
+operands (keeping its logits or not: on sm_90 the kept tile leaves through shared memory,
+at the same registers), larger tiles ptxas showed to fit on rounded rows
+(`ROUNDED_FORWARD`), else their
 neighbours (one more pipeline stage, half the class or row block, more warps, a wider step
 over D, ...) whose register footprint (`footprint`: the fp32 values per thread of the tiles
 a program keeps live) is no larger than the table's - and the fastest is kept: in memory
@@ -233,13 +235,14 @@ def tune_kernel(
     name: str, problem: ScratchProblem, table, timer: Callable, options: list | None = None
 ) -> tuple[object, list[dict]]:
     """Time kernel `name` with each candidate (`options`, default
-    `rounded_forward_candidates` for the forward, the footprint rule's `candidates` for the
-    forward keeping its logits, whose larger tiles spill). Returns the fastest tiles (the
-    table's when none ran) and every candidate's {"tiles", "ms", "error"}."""
+    `rounded_forward_candidates`; for the forward keeping its logits on a GPU that stores
+    them through registers (its table's tiles are not the forward's: before sm_90), the
+    footprint rule's `candidates`, since larger tiles spill there). Returns the fastest
+    tiles (the table's when none ran) and every candidate's {"tiles", "ms", "error"}."""
     kernels = _kernels()
     table_tiles = getattr(table, name)
     d_pad = kernels.padded_dim(problem.shape.dim)
-    if options is None and name == "forward_keep":
+    if options is None and name == "forward_keep" and table.forward_keep != table.forward:
         options = candidates(d_pad, table_tiles)
     if options is None:
         options = rounded_forward_candidates(table_tiles, problem.shape.matmul_dtype, d_pad)
