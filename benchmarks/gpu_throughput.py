@@ -66,7 +66,7 @@ def section_throughput(run: SectionRun) -> None:
         _plan_row(run, plan, base, model)
     _ops_row(run, plan)
     _augment_row(run, cfg, device, model["images_per_s"])
-    _family_rows(run, plan, base, device, matmul, train_throughput)
+    _variant_rows(run, plan, base, device, matmul, model["images_per_s"], train_throughput)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the end-to-end runs are processes of their own
     for decode in ("cpu", "gpu"):
@@ -132,41 +132,49 @@ def _ops_row(run: SectionRun, plan: ThroughputPlan) -> None:
             **counted)  # fmt: skip
 
 
-# One model-only row per backbone family besides IResNet: arcface_torch's deployed
-# MobileFaceNet and its best ViT (at the smoke's tiny width for --smoke).
-FAMILY_ROWS = (("MobileFaceNet", "mbf"), ("ViT", "vit_b"))
+# Model-only eager rows beside the IResNet-50 one, in its setting with one change each: a
+# row per backbone family besides IResNet (arcface_torch's deployed MobileFaceNet and its
+# best ViT, at the smoke's tiny width for --smoke), and the IResNet at O2 (half weights: no
+# weight casts in the step, 156 aten operations fewer than O1 on the CPU count).
+VARIANT_ROWS = (
+    ("model only, eager, mbf", ("model.backbone=mbf",), {"family": "MobileFaceNet"}),
+    ("model only, eager, vit_b", ("model.backbone=vit_b",), {"family": "ViT"}),
+    ("model only, eager, O2", ("precision.level=O2",), {"precision": "O2"}),
+)
 
 
-def _family_rows(run: SectionRun, plan: ThroughputPlan, base: list[str], device,
-                 matmul: float, train_throughput) -> None:  # fmt: skip
-    """The model-only eager step of each FAMILY_ROWS backbone, in the IResNet row's setting
-    (its batch, input size and precision); no target: a measurement to compare against."""
+def _variant_rows(run: SectionRun, plan: ThroughputPlan, base: list[str], device,
+                  matmul: float, eager: float, train_throughput) -> None:  # fmt: skip
+    """The model-only eager step of each VARIANT_ROWS change, with its ratio to the eager
+    row (`eager` images/s); no target: a measurement to compare against."""
     from recognition.config import load_config
 
-    for family, name in FAMILY_ROWS:
-        what = f"model only, eager, {name}"
+    for what, overrides, extra in VARIANT_ROWS:
         if run.time_left() < (15 if run.smoke else 40):
             run.skip(what, "no time left in the section")
             continue
         try:
-            cfg = load_config(plan.config, [*base, f"model.backbone={name}", "train.compile=false"])
+            cfg = load_config(plan.config, [*base, *overrides, "train.compile=false"])
             model = train_throughput.measure_model(
                 cfg, device, plan.identities, plan.steps, plan.warmup
             )
         except Exception as exc:  # noqa: BLE001 - a row, and the section goes on
             run.fail(what, first_line(f"{type(exc).__name__}: {exc}"))
             continue
-        _model_row(run, what, model, matmul, target=False, family=family)
+        ratio = model["images_per_s"] / eager
+        _model_row(run, what, model, matmul, target=False, after_rate=f"x{ratio:.2f} eager, ",
+                   x_eager=ratio, **extra)  # fmt: skip
         if device.type == "cuda":
             import torch
 
             torch.cuda.empty_cache()
 
 
-def _model_row(run: SectionRun, what: str, model: dict, matmul: float, *,
-               target: bool = True, **extra: Any) -> None:  # fmt: skip
-    """A model-only row; `target`: held to the IResNet-50 target of 5,000 images/s."""
-    percent, text = _model_text(model, matmul)
+def _model_row(run: SectionRun, what: str, model: dict, matmul: float, *, target: bool = True,
+               after_rate: str = "", **extra: Any) -> None:  # fmt: skip
+    """A model-only row; `target`: held to the IResNet-50 target of 5,000 images/s;
+    `after_rate`: text after its images/s."""
+    percent, text = _model_text(model, matmul, after_rate)
     wanted = None if run.smoke or not target else ">= 5,000 images/s"
     run.add(what, text, target=wanted,
             met=None if wanted is None else model["images_per_s"] >= 5000,
