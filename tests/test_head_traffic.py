@@ -17,7 +17,8 @@ from recognition.heads.traffic import PHASES, PREFIX, HeadShape, phase, step_tra
 
 # N 4, D 8, K 100 classes in chunks of 64 (two chunks), bf16 operands (2 bytes), fp32 rows.
 N, D, K, CHUNKS = 4, 8, 100, 2
-ROWS_FP32, ROWS_BF16, U = K * D * 4, K * D * 2, K * D * 4  # 3,200, 1,600, 3,200
+ROWS_FP32, ROWS_BF16 = K * D * 4, K * D * 2  # 3,200, 1,600
+U = K * D * 2  # 1,600: the row product's output, in the matmul dtype (bf16)
 LOGITS = N * K * 2  # 800: G, or the kept exponentials, in bf16
 EMBEDDINGS = CHUNKS * N * D * 2  # 128: read once per chunk
 GRAD_E = CHUNKS * N * D * 4  # 256: read and written once per chunk (+=)

@@ -281,6 +281,26 @@ def test_bf16_operands_match_torch_path(half_weight, chunk_size, chunked):
     assert abs(loss.item() - exact.item()) < 0.02 * exact.item()
 
 
+def test_the_row_product_leaves_in_the_matmul_dtype(monkeypatch):
+    # U (the rows' gradient before the radial part goes) is final per chunk: written and
+    # read in bf16 with bf16 operands (half the traffic of fp32), in fp32 with fp32 ones.
+    seen = []
+    finish = gemm_backward._finish
+
+    def recording(x, u, *args):
+        seen.append(u.dtype)
+        return finish(x, u, *args)
+
+    monkeypatch.setattr(gemm_backward, "_finish", recording)
+    embeddings, labels = make_labels_with_duplicates(129, 9, seed=3)
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.manual_seed(3)
+        head = ShardedMarginSoftmax(129, EMBEDDING_SIZE, CosFace(s=16.0), kernel="triton")
+        seen.clear()
+        run_head(head.to(dtype), embeddings.to(dtype), labels)
+        assert seen and set(seen) == {dtype}
+
+
 def test_partial_fc_matches_restricted_reference_and_torch_path(chunked):
     torch.manual_seed(9)
     fast, slow = triton_and_torch_heads(300, ArcFace(s=16.0), sample_rate=0.3, seed=4)

@@ -5,9 +5,10 @@ The planner runs the Triton path's host code on fake tensors as on a GPU's, kern
 left out (they allocate nothing): what it counts is what the host allocates - the logits'
 exponentials kept for the backward, the step's rounded rows, the head's rounded copy and
 inverse norms kept between fused updates, the chunks' buffers. Two things of the real CPU
-step are made to allocate as a GPU's would: the fp32 products of half operands (cuBLAS
-writes an fp32 result; the CPU path upcasts both operands first: here a result of that
-size stands for it, whose values do not matter to memory), and the interpreter's reference
+step are made to allocate as a GPU's would: the products of half operands (cuBLAS writes
+the result, fp32 or half; the CPU path upcasts both operands first, or its half gemm takes
+a workspace: here a result of that size stands for it, whose values do not matter to
+memory), and the interpreter's reference
 cycles, which keep a launch's arguments alive until the garbage collector runs (collected
 after each launch). Then the plan matches the allocator to the 512-byte block.
 """
@@ -41,11 +42,15 @@ def as_on_a_gpu(monkeypatch) -> None:
             return a @ b
         return torch.zeros(a.shape[0], b.shape[1])  # cuBLAS's fp32 result, nothing else
 
+    def mm_rounded(a, b):
+        return torch.zeros(a.shape[0], b.shape[1], dtype=a.dtype)  # cuBLAS's result alone
+
     def launch(kernel, grid, *args, **kwargs):
         kernel[grid](*args, **kwargs)
         gc.collect()
 
     monkeypatch.setattr(gemm_backward, "mm_fp32", mm_fp32)
+    monkeypatch.setattr(gemm_backward, "mm_rounded", mm_rounded)
     monkeypatch.setattr(forward, "launch", launch)
     monkeypatch.setattr(gemm_backward, "launch", launch)
 

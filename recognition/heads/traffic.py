@@ -15,7 +15,7 @@ The phases, in step order:
     logit gradient      G (N, K): the kept exponentials rescaled in place, or the logits
                         recomputed from the rows (rounded again) and G written
     embedding product   grad_e += G @ W, a chunk at a time (grad_e read and written per chunk)
-    row product         U = G^T @ E (K, D) fp32
+    row product         U = G^T @ E (K, D) in the matmul dtype
     update              the epilogue: U and the rows read, the radial part removed; with the
                         fused update the momentum read and written, the rows written, and
                         what is kept of them (inverse norms, the rounded copy); without it the
@@ -115,9 +115,9 @@ def step_traffic(shape: HeadShape) -> list[Phase]:
     accumulate = chunks * n * d * 4
     phases.append(Phase("embedding product", logits + rows_mm + accumulate, accumulate,
                         2 * n * k * d))  # fmt: skip
-    phases.append(Phase("row product", logits + chunks * n * d * mb, k * d * 4, 2 * n * k * d))
+    phases.append(Phase("row product", logits + chunks * n * d * mb, k * d * mb, 2 * n * k * d))
     momentum = k * d * 4 if s.momentum else 0
-    update_read = k * d * 4 + rows_weight  # U and the rows
+    update_read = k * d * mb + rows_weight  # U and the rows
     if s.fused_update:
         update_read += momentum
         update_written = rows_weight + momentum + k * 4 + (rows_mm if copy_kept else 0)

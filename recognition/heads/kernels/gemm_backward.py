@@ -12,9 +12,13 @@ to the matmul dtype as the forward had them (`host.RowSource`):
    |w|). Otherwise `_grad_logits_kernel`, grid (row blocks, class tiles), on the forward's
    tiles, recomputes each tile's raw dot products <e_i, w_j> (the forward's K-loop, the
    same fp32 accumulation of matmul-dtype operands) and writes G to a chunk's buffer.
-2. grad_e += G @ W_c and U = G^T @ E: two matmuls of the matmul dtype accumulated and
-   returned in fp32 (`torch.mm(..., out_dtype=torch.float32)` on a GPU), W_c the chunk's
-   rounded rows and E the normalised embeddings rounded likewise.
+2. grad_e += G @ W_c and U = G^T @ E: two matmuls of the matmul dtype accumulated in fp32,
+   W_c the chunk's rounded rows and E the normalised embeddings rounded likewise. grad_e,
+   summed over the chunks, is returned in fp32 (`torch.mm(..., out_dtype=torch.float32)`
+   on a GPU); U, final per chunk, in the matmul dtype (`mm_rounded`): half the bytes of the
+   row product's output and of the epilogue's read in bf16, and the rounding the torch
+   path makes too (under autocast the gradient of the normalised rows leaves its matmul in
+   bf16 before normalize's backward runs in fp32).
 3. `_finish_kernel`, grid (row blocks of the chunk,): U holds g / |w| of each row; the
    radial part is removed (<w, U> from the row and U themselves), the target rows' share
    added for a fused update, and the result stored as the weight's gradient or applied as
@@ -26,9 +30,10 @@ A step then costs three products of N x C_local x D multiply-adds (the forward a
 products, 6 N C_local D FLOPs) with the logits kept, four (8 N C_local D) when they are
 recomputed, each at a matmul's full tile size. What it adds is
 memory traffic (`heads/traffic.py` counts it per phase), per chunk: G written once (or the
-kept exponentials read and written) and read twice, U written and read once, the chunk's
+kept exponentials read and written) and read twice, U written and read once (in the matmul
+dtype), the chunk's
 rows rounded unless kept - and memory: U and, recomputing, G and the rounded rows of one
-chunk (128 + 128 + 64 MiB at N 1024, D 512), or, keeping, the exponentials of every class.
+chunk (64 + 128 + 64 MiB at N 1024, D 512, bf16), or, keeping, the exponentials of every class.
 
 Measured on an H200 at 1M classes (N 1024, D 512, bf16; benchmarks/results/
 head_profile-backwards-nvidia-h200.md): a step of 20.2 ms (20.0 with the fused update), the
@@ -96,6 +101,13 @@ def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     return a.float() @ b.float()
 
 
+def mm_rounded(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b accumulated in fp32 and returned in a's dtype (the matmul dtype), rounded once:
+    cuBLAS's product on a GPU, torch's CPU gemm (fp32 accumulation for bf16 and fp16) on
+    the CPU - the same allocations on both, which the run planner counts."""
+    return a @ b
+
+
 @triton.jit
 def _grad_logits_kernel(
     W, E, INV_NORM, TARGET, SHIFT, GRAD_SCALE, G,
@@ -158,7 +170,8 @@ def _finish_kernel(
     offs_d = tl.arange(0, D_PAD)
     mask = c_mask[None, :] & (offs_d < dim)[:, None]
     # Transposed, (D_PAD, BLOCK_C): the class rows' gradient tile as _finish_rows takes it.
-    u_t = tl.load(U + (offs_c - first)[None, :] * dim + offs_d[:, None], mask=mask, other=0.0)
+    u_ptrs = U + (offs_c - first)[None, :] * dim + offs_d[:, None]
+    u_t = tl.load(u_ptrs, mask=mask, other=0.0).to(tl.float32)
     w_t = tl.load(W + rows[None, :] * stride_wc + offs_d[:, None], mask=mask, other=0.0)
     dots = tl.sum(u_t * w_t.to(tl.float32), axis=0)  # <w, U>
     # g - w <w, g> / |w|^2 (U holds g / |w|); rows shorter than the eps keep g as it is.
@@ -213,7 +226,8 @@ def backward(inputs: BackwardInputs, tiles: TileConfig) -> tuple[Tensor, Tensor 
         del rows
         if x.want_rows:
             with phase("row product"):
-                u = mm_fp32(g_chunk.t(), x.mm_embeddings)  # (K_c, D): g / |w| of its rows
+                # (K_c, D) in the matmul dtype: g / |w| of its rows
+                u = mm_rounded(g_chunk.t(), x.mm_embeddings)
             with phase("update"):
                 _finish(x, u, grad_w, first, end)
     return grad_e, grad_w
