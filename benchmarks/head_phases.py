@@ -37,6 +37,7 @@ def model_phases(case: Case) -> list[traffic.Phase]:
         case.batch_size, case.embedding_size, case.num_classes, matmul_bytes, 4,
         keep_logits=case.method == "sharded", fused_update=case.fused_update,
         chunk=min(case.chunk_size or 65536, 65536),
+        u_bytes=2 if case.autocast == "bfloat16" else 4,
     )  # fmt: skip
     return traffic.step_traffic(shape)
 

@@ -18,7 +18,7 @@ from recognition.heads.traffic import PHASES, PREFIX, HeadShape, phase, step_tra
 # N 4, D 8, K 100 classes in chunks of 64 (two chunks), bf16 operands (2 bytes), fp32 rows.
 N, D, K, CHUNKS = 4, 8, 100, 2
 ROWS_FP32, ROWS_BF16 = K * D * 4, K * D * 2  # 3,200, 1,600
-U = K * D * 2  # 1,600: the row product's output, in the matmul dtype (bf16)
+U = K * D * 2  # 1,600: the row product's output, in bf16 with bf16 operands
 LOGITS = N * K * 2  # 800: G, or the kept exponentials, in bf16
 EMBEDDINGS = CHUNKS * N * D * 2  # 128: read once per chunk
 GRAD_E = CHUNKS * N * D * 4  # 256: read and written once per chunk (+=)
@@ -64,9 +64,12 @@ def test_keeping_the_logits_saves_the_recomputation():
         again = step_traffic(HeadShape(1024, 512, 10**6, keep_logits=False, fused_update=fused))
         assert sum(p.flops for p in kept) == 6 * 1024 * 512 * 10**6
         assert sum(p.flops for p in again) == 8 * 1024 * 512 * 10**6
-    fp32 = by_phase(keep_logits=True, fused_update=True, matmul_bytes=4)
+    fp32 = by_phase(keep_logits=True, fused_update=True, matmul_bytes=4, u_bytes=4)
     assert fp32["forward"][0] == K * D * 4 + CHUNKS * N * D * 4
     assert fp32["update"][1] == ROWS_FP32 + MOMENTUM + NORMS
+    # U in fp32 (fp16 or fp32 operands): written by the row product, read by the update.
+    assert fp32["row product"][1] == K * D * 4
+    assert fp32["update"][0] == K * D * 4 + ROWS_FP32 + MOMENTUM
 
 
 def test_the_phases_are_marked_while_a_profiler_runs(monkeypatch):

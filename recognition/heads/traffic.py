@@ -15,7 +15,7 @@ The phases, in step order:
     logit gradient      G (N, K): the kept exponentials rescaled in place, or the logits
                         recomputed from the rows (rounded again) and G written
     embedding product   grad_e += G @ W, a chunk at a time (grad_e read and written per chunk)
-    row product         U = G^T @ E (K, D) in the matmul dtype
+    row product         U = G^T @ E (K, D), in bf16 with bf16 operands, else fp32
     update              the epilogue: U and the rows read, the radial part removed; with the
                         fused update the momentum read and written, the rows written, and
                         what is kept of them (inverse norms, the rounded copy); without it the
@@ -69,8 +69,8 @@ class HeadShape:
     """The step's shapes and options: N rows of the global batch, embedding size D, K classes
     taking part on the rank (all of them, or the partial-FC sample), bytes per value of the
     matmul operands and of the weight, whether the logits are kept (head.chunk_size None),
-    whether the backward applies the update (head.fused_update), with momentum, and the
-    classes per chunk of the backward."""
+    whether the backward applies the update (head.fused_update), with momentum, the classes
+    per chunk of the backward, and the bytes per value of U."""
 
     num_rows: int
     dim: int
@@ -81,6 +81,9 @@ class HeadShape:
     fused_update: bool = False
     momentum: bool = True
     chunk: int = 65536
+    u_bytes: int = 2
+    """Bytes per value of U, the row product's output: 2 with bf16 operands, 4 with fp16 or
+    fp32 ones."""
 
 
 def step_traffic(shape: HeadShape) -> list[Phase]:
@@ -115,9 +118,10 @@ def step_traffic(shape: HeadShape) -> list[Phase]:
     accumulate = chunks * n * d * 4
     phases.append(Phase("embedding product", logits + rows_mm + accumulate, accumulate,
                         2 * n * k * d))  # fmt: skip
-    phases.append(Phase("row product", logits + chunks * n * d * mb, k * d * mb, 2 * n * k * d))
+    u = k * d * s.u_bytes
+    phases.append(Phase("row product", logits + chunks * n * d * mb, u, 2 * n * k * d))
     momentum = k * d * 4 if s.momentum else 0
-    update_read = k * d * mb + rows_weight  # U and the rows
+    update_read = u + rows_weight  # U and the rows
     if s.fused_update:
         update_read += momentum
         update_written = rows_weight + momentum + k * 4 + (rows_mm if copy_kept else 0)

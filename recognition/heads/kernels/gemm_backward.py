@@ -15,10 +15,11 @@ to the matmul dtype as the forward had them (`host.RowSource`):
 2. grad_e += G @ W_c and U = G^T @ E: two matmuls of the matmul dtype accumulated in fp32,
    W_c the chunk's rounded rows and E the normalised embeddings rounded likewise. grad_e,
    summed over the chunks, is returned in fp32 (`torch.mm(..., out_dtype=torch.float32)`
-   on a GPU); U, final per chunk, in the matmul dtype (`mm_rounded`): half the bytes of the
-   row product's output and of the epilogue's read in bf16, and the rounding the torch
-   path makes too (under autocast the gradient of the normalised rows leaves its matmul in
-   bf16 before normalize's backward runs in fp32).
+   on a GPU); U, final per chunk, in bf16 with bf16 operands (`row_product`): half the
+   bytes of the row product's output and of the epilogue's read, and the rounding the
+   torch path makes too (under autocast the gradient of the normalised rows leaves its
+   matmul in bf16 before normalize's backward runs in fp32). With fp16 operands U stays
+   fp32: it holds g / |w|, which fp16's range (65,504) may not, under a loss scale.
 3. `_finish_kernel`, grid (row blocks of the chunk,): U holds g / |w| of each row; the
    radial part is removed (<w, U> from the row and U themselves), the target rows' share
    added for a fused update, and the result stored as the weight's gradient or applied as
@@ -30,8 +31,8 @@ A step then costs three products of N x C_local x D multiply-adds (the forward a
 products, 6 N C_local D FLOPs) with the logits kept, four (8 N C_local D) when they are
 recomputed, each at a matmul's full tile size. What it adds is
 memory traffic (`heads/traffic.py` counts it per phase), per chunk: G written once (or the
-kept exponentials read and written) and read twice, U written and read once (in the matmul
-dtype), the chunk's
+kept exponentials read and written) and read twice, U written and read once (bf16 or
+fp32), the chunk's
 rows rounded unless kept - and memory: U and, recomputing, G and the rounded rows of one
 chunk (64 + 128 + 64 MiB at N 1024, D 512, bf16), or, keeping, the exponentials of every class.
 
@@ -102,10 +103,18 @@ def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
 
 
 def mm_rounded(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b accumulated in fp32 and returned in a's dtype (the matmul dtype), rounded once:
-    cuBLAS's product on a GPU, torch's CPU gemm (fp32 accumulation for bf16 and fp16) on
-    the CPU - the same allocations on both, which the run planner counts."""
+    """a @ b accumulated in fp32 and returned in a's dtype, rounded once: cuBLAS's product
+    on a GPU, torch's CPU gemm (fp32 accumulation for bf16) on the CPU - the same
+    allocations on both, which the run planner counts."""
     return a @ b
+
+
+def row_product(g_chunk: Tensor, mm_embeddings: Tensor) -> Tensor:
+    """U = G^T E (K_c, D): in bf16 for bf16 operands (fp32's range), in fp32 otherwise (fp16's
+    range may not hold g / |w|)."""
+    if g_chunk.dtype == torch.bfloat16:
+        return mm_rounded(g_chunk.t(), mm_embeddings)
+    return mm_fp32(g_chunk.t(), mm_embeddings)
 
 
 @triton.jit
@@ -226,8 +235,7 @@ def backward(inputs: BackwardInputs, tiles: TileConfig) -> tuple[Tensor, Tensor 
         del rows
         if x.want_rows:
             with phase("row product"):
-                # (K_c, D) in the matmul dtype: g / |w| of its rows
-                u = mm_rounded(g_chunk.t(), x.mm_embeddings)
+                u = row_product(g_chunk, x.mm_embeddings)  # (K_c, D): g / |w| of its rows
             with phase("update"):
                 _finish(x, u, grad_w, first, end)
     return grad_e, grad_w
