@@ -103,29 +103,24 @@ class MasterWeights:
     # ---------------------------------------------------------------- the step
 
     def grads_to_masters(self) -> None:
-        """The half gradients into the masters' `.grad`, in fp32: one multi-tensor operation
-        for those the masters lack (a new fp32 copy each) and one for those they hold (the
-        copy made in place), not one per parameter (`benchmarks/step_ops.py` counts them)."""
-        fresh: tuple[list[Tensor], list[Tensor]] = ([], [])
-        held: tuple[list[Tensor], list[Tensor]] = ([], [])
+        """The half gradients into the masters' `.grad`, in fp32, by one multi-tensor copy (one
+        kernel on a GPU, not one per parameter; `benchmarks/step_ops.py` counts the
+        operations). A master without a gradient gets an empty one first (an allocation, no
+        kernel: `torch._foreach_copy`'s functional form would clone the masters, a kernel
+        each)."""
+        masters, grads = [], []
         for _, param, master in self.items():
             if master is param:
                 continue
             if param.grad is None:
                 master.grad = None  # unused this step: the optimizer skips it
-            else:
-                into = fresh if master.grad is None else held
-                into[0].append(master)
-                into[1].append(param.grad)
-        if fresh[0]:
-            # The functional form of _foreach_copy_: new tensors shaped and typed like the
-            # masters (fp32), holding the half gradients' values.
-            with torch.no_grad():  # the masters require grad; their gradients do not
-                copies = torch.ops.aten._foreach_copy.default(fresh[0], fresh[1])
-            for master, grad in zip(fresh[0], copies, strict=True):
-                master.grad = grad
-        if held[0]:
-            torch._foreach_copy_([m.grad for m in held[0]], held[1])
+                continue
+            if master.grad is None:
+                master.grad = torch.empty_like(master, memory_format=torch.preserve_format)
+            masters.append(master.grad)
+            grads.append(param.grad)
+        if masters:
+            torch._foreach_copy_(masters, grads)
 
     def masters_to_model(self) -> None:
         """The masters' values into the half model, rounded: one multi-tensor copy."""
