@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import train_run
-from benchmarks.table import machine, print_table, write_json, write_text
+from benchmarks.table import machine, print_table, write_results
 
 HOLDOUT_TARGET = "holdout"
 
@@ -290,8 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         ],
     )
     if args.json is not None:
-        write_json(args.json, result)
-        write_text(args.json.with_suffix(".md"), table)
+        write_results(args.json, result, table)
     return 0
 
 

@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.common import REPO_ROOT, log_tail, run_command
 from benchmarks.finetune_data import DOMAINS
-from benchmarks.table import machine, write_json, write_text
+from benchmarks.table import machine, write_results
 
 
 def interpolate(pretrained: dict, finetuned: dict, alpha: float) -> dict:
@@ -140,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(result)
     print(table)
     if args.json is not None:
-        write_json(args.json, result)
-        write_text(args.json.with_suffix(".md"), table)
+        write_results(args.json, result, table)
     return 0
 
 

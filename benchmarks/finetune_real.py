@@ -32,7 +32,7 @@ from typing import Any
 
 from benchmarks.common import REPO_ROOT, log_tail, run_command
 from benchmarks.finetune_data import DOMAINS, SHIFTS, RealData, prepare
-from benchmarks.table import machine, print_table, write_json, write_text
+from benchmarks.table import machine, print_table, write_json, write_results
 
 NO_FINETUNING = "no fine-tuning"
 PLAIN_INIT = "init_backbone"
@@ -286,8 +286,7 @@ def main(args: argparse.Namespace) -> int:
             for name in result["summary"][DOMAINS[0]]]  # fmt: skip
     print_table([("variant", -45), *((d, 8) for d in DOMAINS)], rows)
     if args.json is not None:
-        write_json(args.json, result)
-        write_text(args.json.with_suffix(".md"), table)
+        write_results(args.json, result, table)
     return 0
 
 

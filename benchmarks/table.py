@@ -47,6 +47,12 @@ def write_json(path: Path, payload: Any) -> None:
     write_text(path, json.dumps(payload, indent=2) + "\n")
 
 
+def write_results(path: Path, payload: Any, markdown: str) -> None:
+    """`payload` as JSON to `path` and its table as Markdown beside it (`path` with .md)."""
+    write_json(path, payload)
+    write_text(path.with_suffix(".md"), markdown)
+
+
 def write_text(path: Path, text: str) -> None:
     """Write `text` to `path` atomically (a temporary file, renamed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
