@@ -1,9 +1,11 @@
 """What several benchmarks share: the repository's root, a command run in a process group
 of its own under a time limit, its output in a log file (`run_command`, `log_tail`), and
-the seconds a `train.py` process took to end after its last line (`exit_after_last_line`)."""
+the seconds a `train.py` process took to end after its last line (`exit_after_last_line`),
+a backbone's verification accuracy on a folder's pairs (`verify_pairs`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -31,6 +33,19 @@ def run_command(
             os.killpg(process.pid, signal.SIGKILL)  # the section and whatever it started
             process.wait()
             return None, True
+
+
+def verify_pairs(checkpoint: Path, folder: Path, out: Path, timeout_s: float, *extra: str) -> float:
+    """Verification accuracy of `checkpoint` on `folder`'s pairs.txt (its images under it) by
+    `evaluate.py`, its JSON to `out` and its log beside it; `extra` flags added (e.g.
+    "--workers", "0"). Raises RuntimeError with the log's tail when it fails."""
+    command = [sys.executable, str(REPO_ROOT / "evaluate.py"), "--checkpoint", str(checkpoint),
+               "--pairs", str(folder / "pairs.txt"), "--images", str(folder), "--json", str(out),
+               *extra]  # fmt: skip
+    code, timed_out = run_command(command, out.with_suffix(".log"), timeout_s)
+    if code != 0 or timed_out:
+        raise RuntimeError("\n".join(log_tail(out.with_suffix(".log"))))
+    return float(json.loads(out.read_text())["accuracy"])
 
 
 def log_tail(log_path: Path, lines: int = 25) -> list[str]:

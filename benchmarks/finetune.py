@@ -32,7 +32,7 @@ import numpy as np
 from PIL import Image, ImageFilter
 
 from benchmarks import finetune_real
-from benchmarks.common import REPO_ROOT, log_tail, run_command, train_run
+from benchmarks.common import train_run, verify_pairs
 from benchmarks.table import machine, print_table, write_json
 
 # The shift: a blur of this radius (pixels of the 112-pixel rendering) and these per-channel
@@ -98,15 +98,7 @@ def accuracies(run_dir: Path) -> dict[int, float]:
 
 
 def evaluate_pretrained(backbone: Path, shifted: Path, out: Path) -> float:
-    command = [
-        sys.executable, str(REPO_ROOT / "evaluate.py"), "--checkpoint", str(backbone),
-        "--pairs", str(shifted / "val" / "pairs.txt"), "--images", str(shifted / "val"),
-        "--json", str(out),
-    ]  # fmt: skip
-    code, _ = run_command(command, out.with_suffix(".log"), 600)
-    if code != 0:
-        raise RuntimeError("\n".join(log_tail(out.with_suffix(".log"))))
-    return float(json.loads(out.read_text())["accuracy"])
+    return verify_pairs(backbone, shifted / "val", out, 600)
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:

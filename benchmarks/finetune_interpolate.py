@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import REPO_ROOT, log_tail, run_command
+from benchmarks.common import verify_pairs
 from benchmarks.finetune_data import DOMAINS
 from benchmarks.table import machine, write_results
 
@@ -48,17 +48,6 @@ def interpolate(pretrained: dict, finetuned: dict, alpha: float) -> dict:
         for key, value in after.items()
     }
     return {**finetuned, "state_dict": mixed}
-
-
-def verify(checkpoint: Path, test: Path, out: Path) -> float:
-    """Verification accuracy of `checkpoint` on `test`'s pairs (evaluate.py)."""
-    command = [sys.executable, str(REPO_ROOT / "evaluate.py"), "--checkpoint", str(checkpoint),
-               "--pairs", str(test / "pairs.txt"), "--images", str(test), "--json", str(out),
-               "--workers", "0"]  # fmt: skip
-    code, timed_out = run_command(command, out.with_suffix(".log"), 1800)
-    if code != 0 or timed_out:
-        raise RuntimeError("\n".join(log_tail(out.with_suffix(".log"))))
-    return float(json.loads(out.read_text())["accuracy"])
 
 
 def baselines(work: Path, seed: int, domain: str) -> dict[str, float]:
@@ -90,7 +79,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                     for alpha in args.alphas:
                         torch.save(interpolate(pretrained, finetuned, alpha), mixed_path)
-                        accuracy = verify(mixed_path, args.work / "data" / f"test-{domain}", out)
+                        test = args.work / "data" / f"test-{domain}"
+                        accuracy = verify_pairs(mixed_path, test, out, 1800, "--workers", "0")
                         runs.append({"seed": seed, "domain": domain, "variant": variant,
                                      "alpha": alpha, "accuracy": accuracy, **base})  # fmt: skip
                         print(f"seed {seed} {domain:7s} {variant:30s} alpha {alpha:.2f} "
