@@ -137,7 +137,10 @@ def _ops_row(run: SectionRun, plan: ThroughputPlan) -> None:
 # best ViT, at the smoke's tiny width for --smoke), and the IResNet at O2 (half weights: no
 # weight casts in the step: 1,126 aten operations on the CPU count against O1's 1,201, 82
 # of them allocations without a kernel).
-VARIANT_ROWS = (
+VARIANT_ROWS = (  # most valuable first
+    # train.cuda_graphs: the eager step captured once and replayed (its first 5 steps, 3
+    # eager, the capture, and a replay, are the warm-up); on a GPU only.
+    ("model only, eager, CUDA graphs", ("train.cuda_graphs=true",), {"cuda_graphs": True}),
     ("model only, eager, mbf", ("model.backbone=mbf",), {"family": "MobileFaceNet"}),
     ("model only, eager, vit_b", ("model.backbone=vit_b",), {"family": "ViT"}),
     ("model only, eager, O2", ("precision.level=O2",), {"precision": "O2"}),
@@ -154,6 +157,9 @@ def _variant_rows(run: SectionRun, plan: ThroughputPlan, base: list[str], device
         if run.time_left() < (15 if run.smoke else 40):
             run.skip(what, "no time left in the section")
             continue
+        if "cuda_graphs" in extra and device.type != "cuda":
+            run.skip(what, "on a GPU only (CUDA graphs)")
+            continue
         try:
             cfg = load_config(plan.config, [*base, *overrides, "train.compile=false"])
             model = train_throughput.measure_model(
@@ -161,6 +167,9 @@ def _variant_rows(run: SectionRun, plan: ThroughputPlan, base: list[str], device
             )
         except Exception as exc:  # noqa: BLE001 - a row, and the section goes on
             run.fail(what, first_line(f"{type(exc).__name__}: {exc}"))
+            continue
+        if "cuda_graphs" in extra and not model["cuda_graphs"]:
+            run.fail(what, "the step ran eagerly: train.cuda_graphs refused it (see the log)")
             continue
         ratio = model["images_per_s"] / eager
         _model_row(run, what, model, matmul, target=False, after_rate=f"x{ratio:.2f} eager, ",

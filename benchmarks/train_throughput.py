@@ -56,6 +56,7 @@ from recognition.optim import build_optimizer, param_groups  # noqa: E402
 from recognition.precision import Precision  # noqa: E402
 from recognition.training import train_step  # noqa: E402
 from recognition.training.build import compile_model  # noqa: E402
+from recognition.training.graphed import with_cuda_graphs  # noqa: E402
 
 
 def synchronize(device: torch.device) -> None:
@@ -137,6 +138,8 @@ def measure_model(
     labels = torch.randint(0, num_classes, (batch_size,), device=device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    # train.cuda_graphs: captured after its eager steps, which the warm-up steps must cover.
+    step = with_cuda_graphs(train_step, cfg, 1, device, optimizer)
     times = []
     first_steps_s = 0.0
     first_peak = 0
@@ -148,7 +151,7 @@ def measure_model(
             torch.cuda.reset_peak_memory_stats(device)
         synchronize(device)
         start = time.perf_counter()
-        train_step(model, head, [(images, labels)], optimizer, precision, cfg.optim.grad_clip)
+        step(model, head, [(images, labels)], optimizer, precision, cfg.optim.grad_clip)
         synchronize(device)
         elapsed = time.perf_counter() - start
         if index < warmup:
@@ -172,6 +175,7 @@ def measure_model(
         "warmup_s": first_steps_s,
         "gpu_memory_mib": memory,
         "steady_memory_mib": steady,  # the peak over the timed steps, after the first ones
+        "cuda_graphs": getattr(step, "captures", 0),  # graphs captured (0: eager)
     }
 
 

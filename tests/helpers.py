@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
 
@@ -166,3 +167,34 @@ def plain_pair_statistics(embeddings, labels) -> dict[str, float]:
         "num_same_pairs": len(same),
         "num_different_pairs": len(different),
     }
+
+
+aten = torch.ops.aten
+
+# Operations that read a value on the host or whose output size is data-dependent: a sync
+# on a GPU (tests/test_host_sync.py), refused while a CUDA graph captures (tests/graph_tape.py).
+SYNCING_OPS = {
+    aten._local_scalar_dense,  # .item(), bool(), float(), int(), and torch's own uses
+    aten.is_nonzero,
+    aten.equal,
+    aten.nonzero,
+    aten.nonzero_static,
+    aten.argwhere,
+    aten.masked_select,
+    aten._unique,
+    aten._unique2,
+    aten.unique_dim,
+    aten.unique_consecutive,
+}
+# Indexing that takes a boolean mask: the number of True entries sizes the result.
+MASK_INDEXING_OPS = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+# Tensor methods that read values without going through the dispatcher.
+SYNCING_METHODS = ("tolist", "numpy", "__array__")
+
+
+def has_mask(indices) -> bool:
+    """Whether an index operation's `indices` hold a boolean mask."""
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+        for i in (indices or [])
+    )

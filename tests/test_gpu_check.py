@@ -330,7 +330,8 @@ def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
     assert list(throughput) == [
         "model only, eager", "memory plan of the eager step",
         "aten operations per step (CPU count)", "augment on the device, data.augment=face",
-        "model only, eager, mbf", "model only, eager, vit_b", "model only, eager, O2",
+        "model only, eager, CUDA graphs", "model only, eager, mbf", "model only, eager, vit_b",
+        "model only, eager, O2",
         "end to end, data.decode=cpu", "end to end, data.decode=gpu", "model only, compiled",
         "model only, compiled by blocks", "model only, compiled, CUDA graphs",
     ]  # fmt: skip

@@ -33,8 +33,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import (
+    MASK_INDEXING_OPS,
+    SYNCING_METHODS,
+    SYNCING_OPS,
     child_env,
     free_port,
+    has_mask,
     init_gloo_rank,
     needs_cuda,
     tiny_config,
@@ -49,32 +53,6 @@ from recognition.training import train
 from recognition.training.hooks import Hook, log_due
 
 aten = torch.ops.aten
-
-# Ops that read a value on the host or whose output size is data-dependent.
-SYNCING_OPS = {
-    aten._local_scalar_dense,  # .item(), bool(), float(), int(), and torch's own uses
-    aten.is_nonzero,
-    aten.equal,
-    aten.nonzero,
-    aten.nonzero_static,
-    aten.argwhere,
-    aten.masked_select,
-    aten._unique,
-    aten._unique2,
-    aten.unique_dim,
-    aten.unique_consecutive,
-}
-# Indexing that takes a boolean mask: the number of True entries sizes the result.
-MASK_INDEXING_OPS = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
-# Tensor methods that read values without going through the dispatcher.
-SYNCING_METHODS = ("tolist", "numpy", "__array__")
-
-
-def _has_mask(indices: Any) -> bool:
-    return any(
-        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-        for i in (indices or [])
-    )
 
 
 class SyncWatcher(TorchDispatchMode):
@@ -102,7 +80,7 @@ class SyncWatcher(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.overloadpacket in SYNCING_OPS:
             self.record(str(func))
-        elif func.overloadpacket in MASK_INDEXING_OPS and _has_mask(args[1]):
+        elif func.overloadpacket in MASK_INDEXING_OPS and has_mask(args[1]):
             # x[mask] and x[mask] = y find the mask's True entries (nonzero) inside the op,
             # below this mode; on a GPU that count is read on the host.
             self.record(f"{func} with a boolean mask")

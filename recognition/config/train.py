@@ -96,6 +96,12 @@ class TrainConfig:
     compile_backend: str = "inductor"
     """torch.compile's backend: inductor (the one that makes kernels), or aot_eager / eager to
     tell a compiler problem from a model problem (they trace but do not speed up)."""
+    cuda_graphs: bool = False
+    """On one GPU: capture the training step in a CUDA graph after 3 eager steps and replay
+    it, so that the host no longer enqueues its kernels one by one (docs/training.md).
+    Where it cannot apply (several processes, partial FC, head.fused_update, an optimizer
+    without a fused kernel, a pipeline, a CPU) the run says why and steps eagerly. Off by
+    default until a GPU check has timed it."""
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
     """Signals that stop the run after the step in flight, with a checkpoint of it, and exit
     with status 75 (training/stopping.py; torchrun forwards SIGTERM and SIGINT to the ranks);
@@ -152,6 +158,11 @@ class TrainConfig:
             parse_time_limit(self.time_limit)
         except ValueError as exc:
             raise ConfigError(f"train.time_limit: {exc}") from None
+        if self.cuda_graphs and self.compile and self.compile_mode == "reduce-overhead":
+            raise ConfigError(
+                "train.cuda_graphs: not with train.compile_mode=reduce-overhead, which "
+                "captures CUDA graphs of its own; choose one"
+            )
         for i, code in enumerate(self.hooks):
             if (problem := code_problem(code)) is not None:
                 raise ConfigError(f"train.hooks[{i}]: {problem}")

@@ -41,10 +41,13 @@ def cast_inputs(x: Tensor, level: Level) -> Tensor:
     return x
 
 
-def autocast(level: Level, device: torch.device) -> contextlib.AbstractContextManager:
-    """The context the forward pass runs in: autocast for O1/O2, a no-op for O0/O3."""
+def autocast(
+    level: Level, device: torch.device, cache: bool = True
+) -> contextlib.AbstractContextManager:
+    """The context the forward pass runs in: autocast for O1/O2 (`cache`: its cache of cast
+    weights, one cast per weight and forward), a no-op for O0/O3."""
     if level.autocasts:
-        return torch.autocast(device.type, dtype=level.half_dtype)
+        return torch.autocast(device.type, dtype=level.half_dtype, cache_enabled=cache)
     return contextlib.nullcontext()
 
 

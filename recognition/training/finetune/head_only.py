@@ -26,6 +26,11 @@ class HeadOnlyGate(nn.Module):
         self.wrapped = wrapped
         self._frozen = frozen
 
+    @property
+    def frozen(self) -> bool:
+        """Whether the backbone is held now (a captured step is valid for one or the other)."""
+        return self._frozen()
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if not self._frozen():
             return self.wrapped(images)

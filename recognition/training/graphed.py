@@ -1,0 +1,291 @@
+"""The training step captured in a CUDA graph and replayed (`train.cuda_graphs`).
+
+Why: the eager IResNet-50 step (batch 256, 112 px, O1 bf16) dispatches about 1,200 aten
+operations, and on an H200 the host took 52 of the step's 55 ms to enqueue them: the GPU
+waited on Python. A CUDA graph records the step's kernels once; a replay launches all of
+them at once, so the host's work per step no longer depends on the model.
+
+`GraphedStep` wraps the step function (`train_step`, with the same signature and result).
+For each kind of step (`StepKey`: the micro-batches' shapes, dtypes and strides, and
+whether the model trains, is held by train.head_only_steps, clips) it runs the first
+`warmup` steps eagerly - on a side stream, as CUDA graphs ask: the optimizer's state is
+made, cuDNN chooses its algorithms, the head tunes its tiles - and then captures the next
+one into a graph over static copies of the micro-batches. The capture runs no kernel: the
+graph is replayed at once for that step's batch. Every later step of that kind copies its
+batches into the static copies, writes the schedule's learning rates into the device
+tensors the captured optimizer reads (a float lr would be frozen into the graph at its
+capture-time value), replays, and returns copies of the captured results (a replay
+overwrites them; the log window keeps a step's results across later steps). A new kind of
+step (head-only steps ending) is captured anew and replaces the graph.
+
+What a replay does not do: run Python. So the step must read nothing on the host and
+branch on no tensor's value (the training step does neither, `recognition.training.step`)
+and every per-step value must live in a tensor. Where that does not hold, `refusal` says
+why in one line and the run steps eagerly: not on a GPU; several processes (DDP's
+gradient hooks are not captured here); a pipelined backbone (its schedule sends between
+ranks); partial FC (the sampled classes' count is data-dependent); head.fused_update (its
+SGD reads the learning rate as a float each step); an optimizer without a fused kernel
+(its skipped steps are read on the host). The config refuses it with
+train.compile_mode=reduce-overhead, which makes graphs of its own. A capture that fails
+anyway stops the run with the cause and the setting that turns it off
+(`GraphCaptureError`).
+
+`graph` makes the graph: `CudaGraph` (torch.cuda.CUDAGraph) by default; a test can pass
+a stand-in that records aten operations on a CPU and replays them with their captured
+arguments (tests/graph_tape.py), which makes the same demands of the step as a CUDA graph
+does: nothing read on the host, no value left in a Python float.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from recognition.config import ExperimentConfig
+from recognition.precision import Precision, StepResult
+
+log = logging.getLogger(__name__)
+
+WARMUP_STEPS = 3
+"""Eager steps of a kind before its capture (PyTorch's CUDA graph examples warm up 3)."""
+
+
+class Graph(Protocol):
+    """What GraphedStep needs of a graph: a capture of what runs inside `capture()`, and
+    `replay()` of it."""
+
+    def capture(self) -> contextlib.AbstractContextManager: ...
+
+    def replay(self) -> None: ...
+
+
+class CudaGraph:
+    """torch.cuda.CUDAGraph, captured by torch.cuda.graph (its own side stream and memory
+    pool; the caching allocator's free blocks are released first)."""
+
+    def __init__(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+
+    def capture(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.graph(self._graph)
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+
+class GraphCaptureError(RuntimeError):
+    """The step could not be captured (something in it reads the host or is not allowed
+    while a stream captures)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepKey:
+    """What a captured step is valid for: the micro-batches' (shape, dtype, stride) per
+    tensor, and the model's mode (training, head-only), and the clipping norm."""
+
+    tensors: tuple
+    training: bool
+    frozen: bool | None
+    max_grad_norm: float | None
+
+
+def step_key(
+    backbone: nn.Module, micro_batches: Sequence[tuple[Tensor, ...]], max_grad_norm: float | None
+) -> StepKey:
+    tensors = tuple(
+        tuple((tuple(t.shape), t.dtype, t.stride(), t.device) for t in batch)
+        for batch in micro_batches
+    )
+    frozen = getattr(backbone, "frozen", None)  # HeadOnlyGate: the head trains alone
+    return StepKey(tensors, backbone.training, frozen, max_grad_norm)
+
+
+class GraphedStep:
+    """`step` captured once per kind of step and replayed (see the module docstring); call
+    it as the step itself."""
+
+    def __init__(
+        self,
+        step: Callable[..., StepResult],
+        *,
+        warmup: int = WARMUP_STEPS,
+        graph: Callable[[], Graph] | None = None,
+    ) -> None:
+        self._step = step
+        self._warmup = warmup
+        self._make_graph = graph if graph is not None else CudaGraph
+        self._key: StepKey | None = None
+        self._eager_steps = 0  # of the current key
+        self._graph: Graph | None = None
+        self._static: list[tuple[Tensor, ...]] = []
+        self._result: StepResult | None = None
+        self._lrs: list[Tensor] = []
+        self.captures = 0
+        """Graphs captured so far (a new kind of step makes another)."""
+        self.replays = 0
+
+    def __call__(
+        self,
+        backbone: nn.Module,
+        head: nn.Module,
+        micro_batches: Sequence[tuple[Tensor, ...]],
+        optimizer: torch.optim.Optimizer,
+        precision: Precision,
+        max_grad_norm: float | None,
+    ) -> StepResult:
+        key = step_key(backbone, micro_batches, max_grad_norm)
+        if key != self._key:  # a new kind of step: warm up again, then capture it
+            self._key, self._eager_steps, self._graph = key, 0, None
+            self._static, self._result, self._lrs = [], None, []
+        args = (backbone, head, micro_batches, optimizer, precision, max_grad_norm)
+        if self._graph is None and self._eager_steps < self._warmup:
+            self._eager_steps += 1
+            with _side_stream(micro_batches):
+                return self._step(*args)
+        if self._graph is None:
+            self._capture(*args)
+        return self._replay(micro_batches, optimizer)
+
+    def _capture(
+        self,
+        backbone: nn.Module,
+        head: nn.Module,
+        micro_batches: Sequence[tuple[Tensor, ...]],
+        optimizer: torch.optim.Optimizer,
+        precision: Precision,
+        max_grad_norm: float | None,
+    ) -> None:
+        # Outside the graph's memory: the step reads them and the replays refill them.
+        self._static = [tuple(t.clone() for t in batch) for batch in micro_batches]
+        self._lrs = [_lr_tensor(group["lr"], _device_of(group)) for group in optimizer.param_groups]
+        # The last eager step's gradients go now, so that the capture (which first hands the
+        # allocator's free blocks back) does not hold them beside the graph's own.
+        precision.zero_grad(optimizer)
+        graph = self._make_graph()
+        try:
+            with _tensor_lrs(optimizer, self._lrs), precision.capturing(), graph.capture():
+                result = self._step(
+                    backbone, head, self._static, optimizer, precision, max_grad_norm
+                )
+        except Exception as error:
+            raise GraphCaptureError(
+                f"train.cuda_graphs: the training step could not be captured in a CUDA graph "
+                f"({type(error).__name__}: {error}); set train.cuda_graphs=false"
+            ) from error
+        self._graph, self._result = graph, result
+        self.captures += 1
+        log.info("train.cuda_graphs: captured the training step (graph %d)", self.captures)
+
+    def _replay(
+        self, micro_batches: Sequence[tuple[Tensor, ...]], optimizer: torch.optim.Optimizer
+    ) -> StepResult:
+        assert self._graph is not None and self._result is not None
+        for static, batch in zip(self._static, micro_batches, strict=True):
+            for into, tensor in zip(static, batch, strict=True):
+                if into is not tensor:
+                    into.copy_(tensor, non_blocking=True)
+        # The schedule's rates, as the eager step would read them (a fill: no host copy).
+        for lr, group in zip(self._lrs, optimizer.param_groups, strict=True):
+            lr.fill_(group["lr"])
+        self._graph.replay()
+        self.replays += 1
+        return _copied(self._result)
+
+
+def _copied(result: StepResult) -> StepResult:
+    """`result` with each tensor cloned: the next replay overwrites the captured ones."""
+    fields = {field.name: getattr(result, field.name) for field in dataclasses.fields(StepResult)}
+    return StepResult(**{
+        name: value.clone() if isinstance(value, Tensor) else value
+        for name, value in fields.items()
+    })  # fmt: skip
+
+
+def _device_of(group: dict) -> torch.device:
+    return group["params"][0].device if group["params"] else torch.device("cpu")
+
+
+def _lr_tensor(lr: float | Tensor, device: torch.device) -> Tensor:
+    """A 0-dim float32 tensor of `lr` on `device`: what fused SGD and AdamW read their rate
+    from on a GPU (float32: the CUDA kernels read it as such, and round a float lr to it)."""
+    return torch.full((), float(lr), dtype=torch.float32, device=device)
+
+
+@contextlib.contextmanager
+def _tensor_lrs(optimizer: torch.optim.Optimizer, lrs: list[Tensor]) -> Iterator[None]:
+    """While the step is captured, the optimizer's groups read their lr from `lrs`, and
+    those that have the setting are `capturable` (Adam's step refuses a capture otherwise;
+    fused, it is already on the device). The floats (which the scheduler sets and
+    checkpoints hold) and the settings come back afterwards."""
+    kept = [(group["lr"], group.get("capturable")) for group in optimizer.param_groups]
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+        if "capturable" in group:
+            group["capturable"] = True
+    try:
+        yield
+    finally:
+        for group, (lr, capturable) in zip(optimizer.param_groups, kept, strict=True):
+            group["lr"] = lr
+            if capturable is not None:
+                group["capturable"] = capturable
+
+
+@contextlib.contextmanager
+def _side_stream(micro_batches: Sequence[tuple[Tensor, ...]]) -> Iterator[None]:
+    """A warm-up step on a CUDA side stream, as CUDA graphs ask of the steps before a
+    capture (lazily made handles and workspaces belong to that stream, not the capture's);
+    nothing on a CPU."""
+    device = next((t.device for batch in micro_batches for t in batch), None)
+    if device is None or device.type != "cuda":
+        yield
+        return
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)  # the batches were made on the current stream
+    with torch.cuda.stream(side):
+        yield
+    current.wait_stream(side)
+
+
+def refusal(
+    cfg: ExperimentConfig, world_size: int, device: torch.device, optimizer: Any
+) -> str | None:
+    """Why train.cuda_graphs cannot capture this run's step (one line), or None when it can."""
+    if device.type != "cuda":
+        return "not on a GPU"
+    if world_size > 1:
+        return "several processes (DDP's gradient all-reduce is not captured here)"
+    if cfg.model.pipeline_stages > 1:
+        return "a pipelined backbone (its schedule sends between ranks)"
+    if cfg.head.sample_rate < 1:
+        return "partial FC (head.sample_rate < 1: the sampled classes' count is data-dependent)"
+    if cfg.head.fused_update:
+        return "head.fused_update (its SGD reads the learning rate as a float each step)"
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return "the optimizer has no fused kernel (its skipped steps are read on the host)"
+    return None
+
+
+def with_cuda_graphs(
+    step: Callable[..., StepResult],
+    cfg: ExperimentConfig,
+    world_size: int,
+    device: torch.device,
+    optimizer: torch.optim.Optimizer,
+) -> Callable[..., StepResult]:
+    """`step` as train.cuda_graphs says: a GraphedStep where it applies; else `step` itself,
+    with a line that says why when it was asked for."""
+    if not cfg.train.cuda_graphs:
+        return step
+    reason = refusal(cfg, world_size, device, optimizer)
+    if reason is not None:
+        log.info("train.cuda_graphs: off: %s", reason)
+        return step
+    return GraphedStep(step)

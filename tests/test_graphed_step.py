@@ -1,0 +1,224 @@
+"""train.cuda_graphs: the captured and replayed training step (`recognition.training.graphed`).
+
+On a CPU the graph is tests/graph_tape.py's stand-in, which replays the recorded aten
+operations with their captured arguments and refuses host reads, as a CUDA graph does: the
+replayed steps must give the eager step's losses and weights bit for bit, with the schedule
+changing the learning rate at every step. On a GPU (skipped elsewhere) the same comparison
+runs on torch.cuda.CUDAGraph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+from graph_tape import TapeGraph
+from helpers import make_image_folder, needs_cuda, tiny_config
+from torch import nn
+
+import recognition.training.graphed as graphed
+from recognition.config import ConfigError, load_config
+from recognition.heads import build_head
+from recognition.optim import build_optimizer, build_scheduler, param_groups
+from recognition.precision import Precision
+from recognition.training import train
+from recognition.training.finetune.head_only import HeadOnlyGate
+from recognition.training.graphed import GraphCaptureError, GraphedStep, refusal
+from recognition.training.step import train_step
+
+NUM_CLASSES, STEPS = 20, 9
+
+
+def _parts(device: torch.device, level: str, dtype: str, optimizer: str, *, head_only: int = 0):
+    """A small conv backbone (BN, PReLU), the config's head and optimizer, a schedule whose
+    rate changes at every step (linear warm-up, then poly decay)."""
+    torch.manual_seed(0)
+    cfg = load_config("ms1m_arcface", ["optim.lr=0.1", f"optim.name={optimizer}"])
+    backbone = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.PReLU(8), nn.Flatten(), nn.Linear(288, 16)
+    ).to(device)
+    head = build_head(cfg.head, NUM_CLASSES, 16, seed=0, device=device)
+    precision = Precision(level, dtype, device)
+    precision.prepare(backbone, head)
+    groups = precision.param_groups(param_groups([backbone, head], 5e-4))
+    opt = build_optimizer(groups, cfg.optim)
+    head.attach_optimizer(opt, precision.optimizer_param(head.weight))
+    scheduler = build_scheduler(opt, 2 * STEPS, 4, cfg.optim, STEPS)
+    progress = {"step": 0}
+    model = backbone
+    if head_only:
+        model = HeadOnlyGate(backbone, lambda: progress["step"] < head_only)
+    return backbone, model, head, precision, opt, scheduler, progress
+
+
+def _train(step, device, level="O0", dtype="bf16", optimizer="sgd", *, clip=5.0, micro=1,
+           head_only=0):  # fmt: skip
+    backbone, model, head, precision, opt, scheduler, progress = _parts(
+        device, level, dtype, optimizer, head_only=head_only
+    )
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        batches = [
+            (torch.randn(6, 3, 8, 8, generator=generator).to(device),
+             torch.randint(0, NUM_CLASSES, (6,), generator=generator).to(device))
+            for _ in range(micro)
+        ]  # fmt: skip
+        result = step(model, head, batches, opt, precision, clip)
+        scheduler.step()
+        progress["step"] += 1
+        losses.append(result.loss)
+    weights = [t.detach().clone() for t in [*backbone.parameters(), *head.parameters()]]
+    return torch.stack(losses).cpu(), weights, precision
+
+
+CASES = {
+    "O0 fp32, sgd, clip": dict(level="O0"),
+    "O1 bf16, sgd, no clip": dict(level="O1", clip=None),
+    "O2 bf16 (masters), sgd, clip": dict(level="O2"),
+    "O0, 2 micro-batches": dict(level="O0", micro=2),
+    "O0, adamw": dict(level="O0", optimizer="adamw"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_replayed_steps_match_the_eager_steps_bit_for_bit(case):
+    kwargs = CASES[case]
+    cpu = torch.device("cpu")
+    eager_losses, eager_weights, _ = _train(train_step, cpu, **kwargs)
+    graphed_step = GraphedStep(train_step, warmup=2, graph=TapeGraph)
+    losses, weights, _ = _train(graphed_step, cpu, **kwargs)
+    assert (graphed_step.captures, graphed_step.replays) == (1, STEPS - 2)
+    assert torch.equal(losses, eager_losses), (losses, eager_losses)
+    for ours, theirs in zip(weights, eager_weights, strict=True):
+        if kwargs.get("optimizer") == "adamw":
+            # Replayed, AdamW reads its rate from a float32 tensor, eager from a Python float
+            # (fused SGD rounds both to float32 alike): 1e-7 apart.
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(ours, theirs)
+
+
+def test_the_stand_in_freezes_what_python_held_at_capture(monkeypatch):
+    """The check has teeth: with the learning rates left as floats, the replayed steps keep
+    the capture's rate, as a CUDA graph would, and drift from the eager ones."""
+    cpu = torch.device("cpu")
+    eager_losses, _, _ = _train(train_step, cpu)
+    monkeypatch.setattr(graphed, "_tensor_lrs", lambda optimizer, lrs: contextlib.nullcontext())
+    losses, _, _ = _train(GraphedStep(train_step, warmup=2, graph=TapeGraph), cpu)
+    assert torch.equal(losses[:4], eager_losses[:4])  # 2 eager, the capture's, and one more
+    assert not torch.equal(losses, eager_losses)
+
+
+def test_a_new_kind_of_step_is_captured_again():
+    """train.head_only_steps: the backbone held for 4 steps, then trained: two graphs, the
+    eager curve."""
+    cpu = torch.device("cpu")
+    eager_losses, eager_weights, _ = _train(train_step, cpu, head_only=4)
+    graphed_step = GraphedStep(train_step, warmup=1, graph=TapeGraph)
+    losses, weights, _ = _train(graphed_step, cpu, head_only=4)
+    assert graphed_step.captures == 2
+    assert graphed_step.replays == STEPS - 2
+    assert torch.equal(losses, eager_losses)
+    assert all(torch.equal(a, b) for a, b in zip(weights, eager_weights, strict=True))
+
+
+def test_results_are_copies_the_next_replay_leaves_alone():
+    _, model, head, precision, opt, _, _ = _parts(torch.device("cpu"), "O0", "bf16", "sgd")
+    graphed_step = GraphedStep(train_step, warmup=0, graph=TapeGraph)
+    batch = [(torch.randn(6, 3, 8, 8), torch.randint(0, NUM_CLASSES, (6,)))]
+    first = graphed_step(model, head, batch, opt, precision, None)
+    kept = first.loss.clone()
+    graphed_step(model, head, [(torch.randn(6, 3, 8, 8), batch[0][1])], opt, precision, None)
+    assert torch.equal(first.loss, kept)
+
+
+def test_a_step_that_reads_the_host_stops_the_run_naming_the_setting():
+    def reading_step(model, head, micro_batches, optimizer, precision, clip):
+        result = train_step(model, head, micro_batches, optimizer, precision, clip)
+        if result.loss.item() > 1e9:  # a host read: a capturing stream refuses it
+            pass
+        return result
+
+    _, model, head, precision, opt, _, _ = _parts(torch.device("cpu"), "O0", "bf16", "sgd")
+    graphed_step = GraphedStep(reading_step, warmup=1, graph=TapeGraph)
+    batch = [(torch.randn(6, 3, 8, 8), torch.randint(0, NUM_CLASSES, (6,)))]
+    graphed_step(model, head, batch, opt, precision, None)  # eager: reading is allowed
+    with pytest.raises(GraphCaptureError, match="train.cuda_graphs=false"):
+        graphed_step(model, head, batch, opt, precision, None)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "device", "expected"),
+    [
+        ([], 1, "cpu", "not on a GPU"),
+        ([], 2, "cuda", "several processes"),
+        (["head.sample_rate=0.5"], 1, "cuda", "partial FC"),
+        (["head.kernel=triton", "head.fused_update=true", "optim.grad_clip=null"], 1, "cuda",
+         "head.fused_update"),
+        ([], 1, "cuda", None),
+    ],
+)  # fmt: skip
+def test_where_graphs_do_not_apply_the_run_says_why(overrides, world, device, expected):
+    cfg = load_config("ms1m_arcface", overrides)
+    fused = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1, fused=True)
+    reason = refusal(cfg, world, torch.device(device), fused)
+    assert reason == expected if expected is None else expected in reason
+
+
+def test_an_optimizer_without_a_fused_kernel_is_refused():
+    cfg = load_config("ms1m_arcface", [])
+    plain = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1, foreach=False)
+    assert "fused" in refusal(cfg, 1, torch.device("cuda"), plain)
+
+
+def test_config_refuses_graphs_inside_reduce_overhead():
+    with pytest.raises(ConfigError, match="train.cuda_graphs"):
+        load_config(
+            "default",
+            ["train.cuda_graphs=true", "train.compile=true", "train.compile_mode=reduce-overhead"],
+        )
+
+
+def _losses(run_dir) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [record["loss"] for record in map(json.loads, lines) if "loss" in record]
+
+
+def test_a_run_with_graphs_logs_the_curve_of_the_eager_run(tmp_path, monkeypatch):
+    """train() end to end (loop, hooks, log window) with the stand-in graph in place of
+    CUDA's and the device check lifted: the same losses as train.cuda_graphs=false."""
+    root = make_image_folder(tmp_path / "data")
+    # A log line every 4 steps: the log window keeps 4 steps' results before it reads them.
+    eager = tiny_config(root, tmp_path / "eager", "train.max_steps=8", "train.log_every=4")
+    train(eager)
+    monkeypatch.setattr(graphed, "refusal", lambda *args: None)
+    monkeypatch.setattr(graphed, "CudaGraph", TapeGraph)
+    overrides = ("train.max_steps=8", "train.log_every=4", "train.cuda_graphs=true")
+    captured = tiny_config(root, tmp_path / "graphs", *overrides)
+    train(captured)
+    assert "captured the training step" in (tmp_path / "graphs" / "train.log").read_text()
+    assert _losses(tmp_path / "graphs") == _losses(tmp_path / "eager")
+    assert len(_losses(tmp_path / "eager")) == 2
+
+
+def test_on_a_cpu_the_run_says_graphs_are_off(tmp_path):
+    root = make_image_folder(tmp_path / "data")
+    train(tiny_config(root, tmp_path / "run", "train.max_steps=2", "train.cuda_graphs=true"))
+    assert "train.cuda_graphs: off: not on a GPU" in (tmp_path / "run" / "train.log").read_text()
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", ["O1 bf16, sgd, no clip", "O2 bf16 (masters), sgd, clip"])
+def test_cuda_graph_steps_match_the_eager_steps(case):
+    kwargs = CASES[case]
+    cuda = torch.device("cuda")
+    eager_losses, eager_weights, _ = _train(train_step, cuda, **kwargs)
+    graphed_step = GraphedStep(train_step)
+    losses, weights, _ = _train(graphed_step, cuda, **kwargs)
+    assert graphed_step.captures == 1
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(weights, eager_weights, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
