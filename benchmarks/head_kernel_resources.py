@@ -54,7 +54,8 @@ class Launch:
     def name(self) -> str:
         name = self.kernel.__name__.strip("_").removesuffix("_kernel")
         flags = [k.lower() for k in ("HAS_INDEX", "KEEP", "FUSED", "HAS_MOMENTUM", "NESTEROV",
-                                     "HAS_EXTRA", "HAS_GATE", "KEEP_NORMS", "KEEP_ROWS")
+                                     "HAS_EXTRA", "HAS_GATE", "LR_IN_MEMORY", "KEEP_NORMS",
+                                     "KEEP_ROWS")
                  if self.constexprs.get(k)]  # fmt: skip
         if name == "forward":  # on a chunk's rows, rounded to the matmul dtype
             flags.append(f"{str(self.args[0].dtype).removeprefix('torch.')} rows")
@@ -139,15 +140,18 @@ def launches_for(
     norms = torch.empty(num_classes, **meta)
     rounded = torch.empty(num_classes, dim, dtype=matmul_dtype, **meta)
 
-    def sgd(momentum: float, nesterov: bool, step_ok=gate):
+    def sgd(momentum: float, nesterov: bool, step_ok=gate, lr=0.1):
         buf = buffer if momentum else None
-        return kernels.SGDUpdate(0.1, momentum, 5e-4, nesterov, buf, step_ok)
+        return kernels.SGDUpdate(lr, momentum, 5e-4, nesterov, buf, step_ok)
 
     # (update, what it keeps of the rows): the plain gradient; the fused update as the
     # training step makes it (gated, keeping the inverse norms, and the rounded rows with
-    # the logits kept), and ungated (a backward called without train_step).
+    # the logits kept), as a captured step makes it (the rate read from the device), and
+    # ungated (a backward called without train_step).
+    rate = torch.empty((), **meta)
     updates = [(None, None), (sgd(0.0, False), (None, norms)),
                (sgd(0.9, False), (rounded, norms)), (sgd(0.9, True), (rounded, norms)),
+               (sgd(0.9, False, lr=rate), (rounded, norms)),
                (sgd(0.9, False, None), (None, norms))]  # fmt: skip
     with recorded_launches() as launches:
         for row_index in (None, index):

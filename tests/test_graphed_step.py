@@ -31,11 +31,16 @@ from recognition.training.step import train_step
 NUM_CLASSES, STEPS = 20, 9
 
 
-def _parts(device: torch.device, level: str, dtype: str, optimizer: str, *, head_only: int = 0):
+def _parts(device: torch.device, level: str, dtype: str, optimizer: str, *, head_only: int = 0,
+           fused_update: bool = False):  # fmt: skip
     """A small conv backbone (BN, PReLU), the config's head and optimizer, a schedule whose
-    rate changes at every step (linear warm-up, then poly decay)."""
+    rate changes at every step (linear warm-up, then poly decay); `fused_update`: the Triton
+    head stepping its rows in its backward."""
     torch.manual_seed(0)
-    cfg = load_config("ms1m_arcface", ["optim.lr=0.1", f"optim.name={optimizer}"])
+    overrides = ["optim.lr=0.1", f"optim.name={optimizer}"]
+    if fused_update:
+        overrides += ["head.kernel=triton", "head.fused_update=true", "optim.grad_clip=null"]
+    cfg = load_config("ms1m_arcface", overrides)
     backbone = nn.Sequential(
         nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.PReLU(8), nn.Flatten(), nn.Linear(288, 16)
     ).to(device)
@@ -44,7 +49,10 @@ def _parts(device: torch.device, level: str, dtype: str, optimizer: str, *, head
     precision.prepare(backbone, head)
     groups = precision.param_groups(param_groups([backbone, head], 5e-4))
     opt = build_optimizer(groups, cfg.optim)
-    head.attach_optimizer(opt, precision.optimizer_param(head.weight))
+    if fused_update:
+        head.attach_fused_update(opt)
+    else:
+        head.attach_optimizer(opt, precision.optimizer_param(head.weight))
     scheduler = build_scheduler(opt, 2 * STEPS, 4, cfg.optim, STEPS)
     progress = {"step": 0}
     model = backbone
@@ -54,9 +62,9 @@ def _parts(device: torch.device, level: str, dtype: str, optimizer: str, *, head
 
 
 def _train(step, device, level="O0", dtype="bf16", optimizer="sgd", *, clip=5.0, micro=1,
-           head_only=0):  # fmt: skip
+           head_only=0, fused_update=False):  # fmt: skip
     backbone, model, head, precision, opt, scheduler, progress = _parts(
-        device, level, dtype, optimizer, head_only=head_only
+        device, level, dtype, optimizer, head_only=head_only, fused_update=fused_update
     )
     generator = torch.Generator().manual_seed(1)
     losses = []
@@ -157,7 +165,7 @@ def test_a_step_that_reads_the_host_stops_the_run_naming_the_setting():
         ([], 2, "cuda", "several processes"),
         (["head.sample_rate=0.5"], 1, "cuda", "partial FC"),
         (["head.kernel=triton", "head.fused_update=true", "optim.grad_clip=null"], 1, "cuda",
-         "head.fused_update"),
+         None),
         ([], 1, "cuda", None),
     ],
 )  # fmt: skip
@@ -210,10 +218,18 @@ def test_on_a_cpu_the_run_says_graphs_are_off(tmp_path):
     assert "train.cuda_graphs: off: not on a GPU" in (tmp_path / "run" / "train.log").read_text()
 
 
+CUDA_CASES = {
+    "O1 bf16, sgd, no clip": CASES["O1 bf16, sgd, no clip"],
+    "O2 bf16 (masters), sgd, clip": CASES["O2 bf16 (masters), sgd, clip"],
+    "O0, adamw": CASES["O0, adamw"],
+    "O1 bf16, triton head, fused update": dict(level="O1", clip=None, fused_update=True),
+}
+
+
 @needs_cuda
-@pytest.mark.parametrize("case", ["O1 bf16, sgd, no clip", "O2 bf16 (masters), sgd, clip"])
+@pytest.mark.parametrize("case", list(CUDA_CASES))
 def test_cuda_graph_steps_match_the_eager_steps(case):
-    kwargs = CASES[case]
+    kwargs = CUDA_CASES[case]
     cuda = torch.device("cuda")
     eager_losses, eager_weights, _ = _train(train_step, cuda, **kwargs)
     graphed_step = GraphedStep(train_step)

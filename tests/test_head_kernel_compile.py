@@ -25,12 +25,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Every launch the wrappers make: the backward's row epilogue with and without the
 # partial-FC row index, plain or with the fused update (momentum, Nesterov, the target rows'
-# share, the training step's gate, the rows' inverse norms and rounded copy kept current);
+# share, the training step's gate, the rows' inverse norms and rounded copy kept current,
+# the rate read from the device as a captured step hands it);
 # the forward, keeping its logits or not, and the gradient of the logits, recomputed or from
 # the kept ones, read each chunk's rows rounded (and gathered) beforehand: one variant each.
 UPDATES = ["", " fused has_extra has_gate keep_norms",
            " fused has_momentum has_extra has_gate keep_norms keep_rows",
            " fused has_momentum nesterov has_extra has_gate keep_norms keep_rows",
+           " fused has_momentum has_extra has_gate lr_in_memory keep_norms keep_rows",
            " fused has_momentum has_extra keep_norms"]  # fmt: skip
 VARIANTS = [f"finish{index}{update}" for index in ("", " has_index") for update in UPDATES]
 VARIANTS += ["forward bfloat16 rows", "grad_logits", "forward keep bfloat16 rows", "scale_kept"]

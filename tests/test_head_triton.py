@@ -378,6 +378,34 @@ def test_fused_update_matches_torch_sgd_over_steps(sample_rate, nesterov, moment
     }
 
 
+def test_the_fused_update_reads_a_rate_held_in_a_device_tensor():
+    """A captured step (train.cuda_graphs) hands the fused update its rate as a 0-dim float32
+    tensor, which the kernel reads at each replay: the same rows and momentum as the float
+    (the kernel takes a float rate as float32 too), step after step as the rate changes."""
+    heads, optimizers = [], []
+    for _ in range(2):
+        torch.manual_seed(11)
+        head = ShardedMarginSoftmax(150, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
+        optimizer = torch.optim.SGD(head.parameters(), lr=0.5, momentum=0.9, weight_decay=5e-4)
+        head.attach_fused_update(optimizer)
+        heads.append(head)
+        optimizers.append(optimizer)
+    rate = torch.zeros((), dtype=torch.float32)
+    initial = heads[0].weight.detach().clone()
+    for step in range(3):
+        embeddings, labels = make_labels_with_duplicates(150, 7, seed=40 + step)
+        lr = 0.5 * 0.7**step
+        optimizers[0].param_groups[0]["lr"] = lr
+        rate.fill_(lr)
+        optimizers[1].param_groups[0]["lr"] = rate
+        for head in heads:
+            head(embeddings, labels).backward()
+        assert torch.equal(heads[0].weight, heads[1].weight)
+    assert not torch.equal(heads[0].weight.detach(), initial)
+    buffers = [o.state[h.weight]["momentum_buffer"] for o, h in zip(optimizers, heads, strict=True)]
+    assert torch.equal(buffers[0], buffers[1])
+
+
 @pytest.mark.parametrize("sample_rate", [1.0, 0.5])
 def test_the_fused_update_keeps_the_rounded_rows_and_norms_current(sample_rate, chunked):
     """With the fused update (and the logits kept, chunk size None) the head keeps its rows

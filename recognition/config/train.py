@@ -99,9 +99,9 @@ class TrainConfig:
     cuda_graphs: bool = False
     """On one GPU: capture the training step in a CUDA graph after 3 eager steps and replay
     it, so that the host no longer enqueues its kernels one by one (docs/training.md).
-    Where it cannot apply (several processes, partial FC, head.fused_update, an optimizer
-    without a fused kernel, a pipeline, a CPU) the run says why and steps eagerly. Off by
-    default until a GPU check has timed it."""
+    Where it cannot apply (several processes, partial FC, an optimizer without a fused
+    kernel, a pipeline, a CPU) the run says why and steps eagerly. Off by default until a
+    GPU check has timed it."""
     stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
     """Signals that stop the run after the step in flight, with a checkpoint of it, and exit
     with status 75 (training/stopping.py; torchrun forwards SIGTERM and SIGINT to the ranks);

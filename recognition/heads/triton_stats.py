@@ -72,7 +72,9 @@ class FusedSGD:
                 raise ValueError("head.fused_update: the momentum buffer must be dense float32")
         step_ok, self.step_ok = self.step_ok, None
         return kernels.SGDUpdate(
-            lr=float(group["lr"]),
+            # A tensor while a CUDA graph captures the step (recognition.training.graphed):
+            # the kernel then reads the rate from the device at each replay.
+            lr=group["lr"] if isinstance(group["lr"], Tensor) else float(group["lr"]),
             momentum=float(group["momentum"]),
             weight_decay=float(group["weight_decay"]),
             nesterov=bool(group["nesterov"]),

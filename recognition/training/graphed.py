@@ -23,9 +23,10 @@ branch on no tensor's value (the training step does neither, `recognition.traini
 and every per-step value must live in a tensor. Where that does not hold, `refusal` says
 why in one line and the run steps eagerly: not on a GPU; several processes (DDP's
 gradient hooks are not captured here); a pipelined backbone (its schedule sends between
-ranks); partial FC (the sampled classes' count is data-dependent); head.fused_update (its
-SGD reads the learning rate as a float each step); an optimizer without a fused kernel
-(its skipped steps are read on the host). The config refuses it with
+ranks); partial FC (the sampled classes' count is data-dependent); an optimizer without
+a fused kernel (its skipped steps are read on the host). head.fused_update is captured
+too: its kernel reads the rate from the device tensor it is handed while the step is
+captured. The config refuses it with
 train.compile_mode=reduce-overhead, which makes graphs of its own. A capture that fails
 anyway stops the run with the cause and the setting that turns it off
 (`GraphCaptureError`).
@@ -266,8 +267,6 @@ def refusal(
         return "a pipelined backbone (its schedule sends between ranks)"
     if cfg.head.sample_rate < 1:
         return "partial FC (head.sample_rate < 1: the sampled classes' count is data-dependent)"
-    if cfg.head.fused_update:
-        return "head.fused_update (its SGD reads the learning rate as a float each step)"
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return "the optimizer has no fused kernel (its skipped steps are read on the host)"
     return None

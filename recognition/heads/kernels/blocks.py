@@ -121,11 +121,14 @@ def _finish_rows(
     acc_t, coefficient, W, GRAD_W, EXTRA, BUF, GATE, rows, c_mask, slot, dim,
     stride_wc, stride_gc, lr, momentum, weight_decay,
     FUSED: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
-    NESTEROV: tl.constexpr, HAS_GATE: tl.constexpr, D_PAD: tl.constexpr,
+    NESTEROV: tl.constexpr, HAS_GATE: tl.constexpr, LR_IN_MEMORY: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):  # fmt: skip
     """The tile's rows, transposed (D_PAD, BLOCK_C): the gradient acc_t (g / |w|) less its
     radial part, plus the target rows' share, stored or applied as the SGD step (where the
-    gate, if any, is not 0). Returns the rows as they are now, fp32 (D_PAD, BLOCK_C)."""
+    gate, if any, is not 0). `lr` is the rate, or with LR_IN_MEMORY where it is (a float32
+    on the device: a captured step's, which a replay does not pass anew). Returns the rows
+    as they are now, fp32 (D_PAD, BLOCK_C)."""
     offs_d = tl.arange(0, D_PAD)
     mask = c_mask[None, :] & (offs_d < dim)[:, None]
     w_ptrs = W + rows[None, :] * stride_wc + offs_d[:, None]
@@ -149,7 +152,11 @@ def _finish_rows(
                 step = step + momentum * buf
             else:
                 step = buf
-        stepped = (w32 - lr * step).to(W.dtype.element_ty)
+        if LR_IN_MEMORY:
+            rate = tl.load(lr)
+        else:
+            rate = lr
+        stepped = (w32 - rate * step).to(W.dtype.element_ty)
         tl.store(w_ptrs, stepped, mask=mask)
         w32 = tl.where(mask, stepped.to(tl.float32), w32)
     else:

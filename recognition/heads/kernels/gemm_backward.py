@@ -170,7 +170,8 @@ def _finish_kernel(
     first, end, dim, stride_wc, stride_gc, norm_limit, eps, lr, momentum, weight_decay,
     HAS_INDEX: tl.constexpr, FUSED: tl.constexpr, HAS_EXTRA: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_GATE: tl.constexpr,
-    KEEP_NORMS: tl.constexpr, KEEP_ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+    LR_IN_MEMORY: tl.constexpr, KEEP_NORMS: tl.constexpr, KEEP_ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
     D_PAD: tl.constexpr,
 ):  # fmt: skip
     offs_c, c_mask, rows, inv_norm = _class_block(
@@ -191,7 +192,7 @@ def _finish_kernel(
     w32 = _finish_rows(
         u_t, coefficient, W, GRAD_W, EXTRA, BUF, GATE, rows, c_mask, slot, dim, stride_wc,
         stride_gc, lr, momentum, weight_decay, FUSED, HAS_EXTRA, HAS_MOMENTUM, NESTEROV,
-        HAS_GATE, D_PAD,
+        HAS_GATE, LR_IN_MEMORY, D_PAD,
     )  # fmt: skip
     # What the next step reads of the rows just stepped (fused update): their inverse norms
     # and their copy in the matmul dtype, so that no pass over the fp32 rows makes them.

@@ -191,12 +191,14 @@ class BackwardInputs:
         return (rounded if rounded is not None else self.inv_norm,
                 inv_norm if inv_norm is not None else self.inv_norm)  # fmt: skip
 
-    def update_scalars(self) -> tuple[float, float, float]:
-        """lr, momentum, weight decay of the fused update (zeros without one)."""
+    def update_scalars(self) -> tuple[float | Tensor, float, float]:
+        """lr, momentum, weight decay of the fused update (zeros without one); lr a float, or
+        the 0-dim float32 device tensor that holds it (a captured step's: LR_IN_MEMORY)."""
         sgd = self.sgd
         if sgd is None:
             return 0.0, 0.0, 0.0
-        return float(sgd.lr), float(sgd.momentum), float(sgd.weight_decay)
+        lr = sgd.lr if isinstance(sgd.lr, Tensor) else float(sgd.lr)
+        return lr, float(sgd.momentum), float(sgd.weight_decay)
 
     def update_flags(self) -> dict[str, bool]:
         """The epilogue's constexprs."""
@@ -209,6 +211,7 @@ class BackwardInputs:
             "HAS_MOMENTUM": sgd is not None and sgd.momentum_buffer is not None,
             "NESTEROV": bool(sgd and sgd.nesterov),
             "HAS_GATE": self.gate is not None,
+            "LR_IN_MEMORY": sgd is not None and isinstance(sgd.lr, Tensor),
             "KEEP_NORMS": kept is not None,
             "KEEP_ROWS": kept is not None and kept[0] is not None,
         }

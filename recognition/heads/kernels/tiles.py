@@ -123,13 +123,14 @@ class TileConfig:
 class SGDUpdate:
     """The SGD step that the backward applies to the taking-part rows (fused update).
 
-    lr, momentum, weight_decay and nesterov as torch.optim.SGD takes them (dampening 0);
+    lr, momentum, weight_decay and nesterov as torch.optim.SGD takes them (dampening 0; lr
+    a float or a 0-dim float32 tensor on the device);
     `momentum_buffer` (C_local, D) float32 is updated in place (None when momentum is 0);
     `step_ok`, a 0-dim bool tensor on the device or None: where it is False, nothing is
     stored (the rows and their momentum stay as they were).
     """
 
-    lr: float
+    lr: float | Tensor
     momentum: float
     weight_decay: float
     nesterov: bool
