@@ -72,8 +72,9 @@ def section_throughput(run: SectionRun) -> None:
     for decode in ("cpu", "gpu"):
         _end_to_end(run, plan, folder, base, decode, model["images_per_s"], train_throughput)
     # Compiled: the whole backbone as one graph, its blocks in place (train.compile_scope),
-    # and the whole with CUDA graphs (compile_mode reduce-overhead: the launches replayed, not
-    # made by the host), each a cold compile in this process.
+    # the whole inside the captured step (train.cuda_graphs), and the whole with CUDA graphs
+    # of its own (compile_mode reduce-overhead: the backbone's launches replayed, not made by
+    # the host), each a cold compile in this process.
     for overrides, what in COMPILED_ROWS:
         if run.smoke:
             run.skip(what, "on a GPU only (inductor takes minutes on a CPU)")
@@ -96,6 +97,8 @@ def section_throughput(run: SectionRun) -> None:
 COMPILED_ROWS = (  # most valuable first
     (("train.compile_scope=model",), "model only, compiled"),
     (("train.compile_scope=blocks",), "model only, compiled by blocks"),
+    # The compiled backbone's kernels inside the whole step's capture (train.cuda_graphs).
+    (("train.cuda_graphs=true",), "model only, compiled, step captured"),
     (("train.compile_mode=reduce-overhead",), "model only, compiled, CUDA graphs"),
 )
 COMPILED_SPEEDUP, COMPILED_FIRST_S = 1.15, 20.0  # the targets: x eager, first steps
