@@ -238,3 +238,17 @@ def test_cuda_graph_steps_match_the_eager_steps(case):
     torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-5)
     for ours, theirs in zip(weights, eager_weights, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+@needs_cuda
+def test_a_gpu_run_with_graphs_logs_the_curve_of_the_eager_run(tmp_path):
+    root = make_image_folder(tmp_path / "data")
+    runs = {}
+    for name, extra in (("eager", ()), ("graphs", ("train.cuda_graphs=true",))):
+        overrides = ("train.max_steps=8", "train.log_every=4", "train.device=cuda", *extra)
+        train(tiny_config(root, tmp_path / name, *overrides))
+        runs[name] = _losses(tmp_path / name)
+    assert "captured the training step" in (tmp_path / "graphs" / "train.log").read_text()
+    assert len(runs["eager"]) == 2
+    # cuDNN may choose other algorithms in another run: float rounding apart, not bits.
+    torch.testing.assert_close(runs["graphs"], runs["eager"], rtol=1e-4, atol=0)

@@ -74,7 +74,10 @@ class CudaGraph:
         self._graph = torch.cuda.CUDAGraph()
 
     def capture(self) -> contextlib.AbstractContextManager:
-        return torch.cuda.graph(self._graph)
+        # thread_local: what this thread does is captured and checked; the loader's threads
+        # (pinning memory, decoding on the GPU) go on with the next batch meanwhile, which
+        # the default (global) mode would refuse to them.
+        return torch.cuda.graph(self._graph, capture_error_mode="thread_local")
 
     def replay(self) -> None:
         self._graph.replay()
