@@ -133,6 +133,12 @@ def _ops_row(run: SectionRun, plan: ThroughputPlan) -> None:
     run.add(what, f"{counted['ops_per_step']:,} ({phases})", target=target,
             met=None if target is None else counted["ops_per_step"] <= step_ops.TARGET,
             **counted)  # fmt: skip
+    # The same step captured (train.cuda_graphs): what the host still dispatches per replay.
+    what = "aten operations per replayed step, train.cuda_graphs (CPU count)"
+    counted = step_ops.count_step(cfg, plan.identities, captured=True)
+    run.add(what, f"{counted['ops_per_step']:,} besides the replay", target=target,
+            met=None if target is None else counted["ops_per_step"] <= step_ops.TARGET,
+            **counted)  # fmt: skip
 
 
 # Model-only eager rows beside the IResNet-50 one, in its setting with one change each: a

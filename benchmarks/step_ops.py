@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -39,6 +40,7 @@ if str(REPO_ROOT) not in sys.path:
 from benchmarks.train_throughput import model_parts  # noqa: E402
 from recognition.config import ExperimentConfig, load_config  # noqa: E402
 from recognition.training import train_step  # noqa: E402
+from recognition.training.graphed import GraphedStep  # noqa: E402
 
 # The GPU check's throughput step (benchmarks/gpu_throughput.throughput_plan), at a size a
 # CPU counts in seconds.
@@ -60,18 +62,44 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_step(cfg: ExperimentConfig, num_classes: int = 512) -> dict[str, Any]:
+class HostOnly:
+    """A graph for counting the host's work of a captured step (train.cuda_graphs): the
+    capture runs the step as it is (its Python state made), a replay runs nothing here. On
+    a GPU a replay launches the captured kernels, which the host does not dispatch."""
+
+    def capture(self):
+        return contextlib.nullcontext()
+
+    def replay(self) -> None:
+        pass
+
+
+def count_step(
+    cfg: ExperimentConfig, num_classes: int = 512, captured: bool = False
+) -> dict[str, Any]:
     """The aten operations of one training step of `cfg` on the CPU (after two steps): the
-    total, by phase, and the 12 most frequent (name, count)."""
+    total, by phase, and the 12 most frequent (name, count). `captured`: of a replayed step
+    of train.cuda_graphs (`HostOnly`: what the host dispatches besides the replay), after
+    the eager steps and the capture; its one phase is "replay"."""
     torch.manual_seed(0)
     device = torch.device("cpu")
     backbone, model, head, optimizer, precision = model_parts(cfg, device, num_classes)
     height, width = cfg.data.image_hw
     batch = [(torch.randn(cfg.train.batch_size, 3, height, width),
               torch.randint(0, num_classes, (cfg.train.batch_size,)))]  # fmt: skip
-    for _ in range(2):
-        train_step(model, head, batch, optimizer, precision, cfg.optim.grad_clip)
+    step: Any = train_step
+    if captured:
+        step = GraphedStep(train_step, warmup=1, graph=HostOnly)
+    for _ in range(2):  # captured: one eager step, the capture
+        step(model, head, batch, optimizer, precision, cfg.optim.grad_clip)
     counter = OpCounter()
+    if captured:
+        counter.phase = "replay"
+        replays = step.replays
+        with counter:
+            step(model, head, batch, optimizer, precision, cfg.optim.grad_clip)
+        assert step.replays == replays + 1 and step.captures == 1, "not a replayed step"
+        return _counted(counter, backbone, head)
 
     def in_phase(name: str, method):
         def counted(*args, **kwargs):
@@ -88,6 +116,10 @@ def count_step(cfg: ExperimentConfig, num_classes: int = 512) -> dict[str, Any]:
     precision.step = in_phase("step", precision.step)  # type: ignore[method-assign]
     with counter:
         train_step(model, head, batch, optimizer, precision, cfg.optim.grad_clip)
+    return _counted(counter, backbone, head)
+
+
+def _counted(counter: OpCounter, backbone, head) -> dict[str, Any]:
     phases: collections.Counter[str] = collections.Counter()
     names: collections.Counter[str] = collections.Counter()
     for (phase, name), count in counter.ops.items():
@@ -113,11 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backbone", default="iresnet50")
     parser.add_argument("--classes", type=int, default=512)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--captured", action="store_true",
+                        help="a replayed step of train.cuda_graphs: the host's part")  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="config overrides (after --)")
     args = parser.parse_args(argv)
     cfg = gpu_check_config(f"model.backbone={args.backbone}", *args.overrides)
-    result = count_step(cfg, args.classes)
-    print(f"{args.backbone}, {cfg.precision.level} {cfg.precision.dtype}: "
+    result = count_step(cfg, args.classes, captured=args.captured)
+    what = ", captured (train.cuda_graphs)" if args.captured else ""
+    print(f"{args.backbone}, {cfg.precision.level} {cfg.precision.dtype}{what}: "
           f"{result['ops_per_step']:,} aten operations per step (target <= {TARGET}), "
           f"{result['parameters']} parameters")  # fmt: skip
     print("  by phase: " + ", ".join(f"{k} {v:,}" for k, v in result["by_phase"].items()))

@@ -329,7 +329,9 @@ def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
     # The cheap rows before the end-to-end runs, compiling last.
     assert list(throughput) == [
         "model only, eager", "memory plan of the eager step",
-        "aten operations per step (CPU count)", "augment on the device, data.augment=face",
+        "aten operations per step (CPU count)",
+        "aten operations per replayed step, train.cuda_graphs (CPU count)",
+        "augment on the device, data.augment=face",
         "model only, eager, CUDA graphs", "model only, eager, mbf", "model only, eager, vit_b",
         "model only, eager, O2",
         "end to end, data.decode=cpu", "end to end, data.decode=gpu", "model only, compiled",
@@ -341,6 +343,9 @@ def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
         ops["data"]["by_phase"].values()
     )
     assert set(ops["data"]["by_phase"]) == {"forward", "backward", "step"}
+    replayed = throughput["aten operations per replayed step, train.cuda_graphs (CPU count)"]
+    assert replayed["data"]["by_phase"] == {"replay": replayed["data"]["ops_per_step"]}
+    assert 0 < replayed["data"]["ops_per_step"] < ops["data"]["ops_per_step"] / 10
     # Each row its wall time; together no more than the section's.
     for name, section in report["sections"].items():
         walls = [row["wall_s"] for row in section["rows"]]
