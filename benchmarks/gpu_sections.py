@@ -139,13 +139,15 @@ def case_reserve(num_classes: int) -> float:
     return CASE_RESERVE_S + CASE_RESERVE_PER_MILLION_S * num_classes / 1e6
 
 
-HEAD_VARIANTS = (  # most valuable first: the Triton kernel, torch, the fused update, and
-    # the fused update recomputing its logits in chunks (head.chunk_size): whether keeping
-    # them pays at each class count, side by side
+HEAD_VARIANTS = (  # most valuable first: the Triton kernel, torch, the fused update, the
+    # fused update recomputing its logits in chunks (head.chunk_size): whether keeping them
+    # pays at each class count, side by side; and the fused update's step captured in a CUDA
+    # graph (train.cuda_graphs' way): what the host's launches (about 6 per chunk) cost it
     ("triton", "sharded", False),
     ("torch", "sharded-chunked", False),
     ("triton + fused update", "sharded", True),
     ("triton + fused update, recomputed", "sharded-chunked", True),
+    ("triton + fused update, captured", "sharded", True),
 )
 
 
@@ -158,9 +160,13 @@ def section_head(run: SectionRun) -> None:
     cases = [(c, v) for c in plan.classes for v in HEAD_VARIANTS]
     for index, (num_classes, (label, method, fused)) in enumerate(cases):
         kernel = "torch" if label == "torch" else "triton"
+        captured = label.endswith("captured")
         case = head.Case(method, 1, num_classes, plan.batch, plan.dim, plan.chunk, plan.steps,
-                         1, 1, device, plan.autocast, kernel, fused)  # fmt: skip
+                         1, 1, device, plan.autocast, kernel, fused, captured)  # fmt: skip
         what = f"{label}, {num_classes:,} classes"
+        if captured and not run.gpu:
+            run.skip(what, "on a GPU only (CUDA graphs)")
+            continue
         # What is left, less a share kept for the cases and the search after this one (the
         # first Triton case also times the kernels' tiles: tens of seconds, once).
         later = sum(case_reserve(c) for c, _ in cases[index + 1 :])

@@ -46,6 +46,7 @@ class Case:
     autocast: str | None
     kernel: str = "torch"
     fused_update: bool = False
+    captured: bool = False  # the step captured in a CUDA graph and replayed (sharded, GPU)
 
 
 def build_step(case: Case, rank: int, device: torch.device) -> tuple[Step, int]:
@@ -98,7 +99,10 @@ def _autocast(case: Case, device: torch.device) -> Any:
 
     if case.autocast is None:
         return torch.autocast(device.type, enabled=False)
-    return torch.autocast(device.type, dtype=getattr(torch, case.autocast))
+    # Captured: no cache of cast weights, as torch asks of a CUDA graph capture.
+    return torch.autocast(
+        device.type, dtype=getattr(torch, case.autocast), cache_enabled=not case.captured
+    )
 
 
 def _sgd(params: Any) -> torch.optim.SGD:
@@ -145,7 +149,29 @@ def _sharded(case: Case, rank: int, local: _LocalBatch) -> tuple[Step, int]:
             loss = head(local.embeddings, local.labels)
         loss.backward()
 
-    return _training_step(optimizer, local.embeddings, forward_backward), head.num_local
+    step = _training_step(optimizer, local.embeddings, forward_backward)
+    return (_captured(step, local.device) if case.captured else step), head.num_local
+
+
+def _captured(step: Step, device: torch.device, warmup: int = 3) -> Step:
+    """`step` captured in a CUDA graph after `warmup` steps on a side stream (the optimizer's
+    state made, the head's tiles chosen), and its replay returned: a step whose host work
+    is one launch, so that the time says what the host's launches cost the eager step. Its
+    inputs are fixed and its rate constant, so nothing needs copying in."""
+    import torch
+
+    if device.type != "cuda":
+        raise ValueError("a captured head step needs a CUDA device")
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def _naive(case: Case, rank: int, local: _LocalBatch) -> tuple[Step, int]:

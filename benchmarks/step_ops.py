@@ -67,6 +67,10 @@ class HostOnly:
     capture runs the step as it is (its Python state made), a replay runs nothing here. On
     a GPU a replay launches the captured kernels, which the host does not dispatch."""
 
+    @staticmethod
+    def runs_on(device: torch.device) -> bool:
+        return True
+
     def capture(self):
         return contextlib.nullcontext()
 

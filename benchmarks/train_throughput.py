@@ -56,7 +56,7 @@ from recognition.optim import build_optimizer, param_groups  # noqa: E402
 from recognition.precision import Precision  # noqa: E402
 from recognition.training import train_step  # noqa: E402
 from recognition.training.build import compile_model  # noqa: E402
-from recognition.training.graphed import with_cuda_graphs  # noqa: E402
+from recognition.training.graphed import GraphedStep  # noqa: E402
 
 
 def synchronize(device: torch.device) -> None:
@@ -139,7 +139,7 @@ def measure_model(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     # train.cuda_graphs: captured after its eager steps, which the warm-up steps must cover.
-    step = with_cuda_graphs(train_step, cfg, 1, device, optimizer)
+    step = GraphedStep(train_step) if cfg.train.cuda_graphs else train_step
     times = []
     first_steps_s = 0.0
     first_peak = 0

@@ -83,6 +83,10 @@ class TapeGraph:
     def __init__(self) -> None:
         self.records: list = []
 
+    @staticmethod
+    def runs_on(device: torch.device) -> bool:
+        return device.type == "cpu"
+
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
         # A CUDA capture runs no kernel: what the step wrote into memory it did not make

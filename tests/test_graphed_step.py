@@ -159,27 +159,21 @@ def test_a_step_that_reads_the_host_stops_the_run_naming_the_setting():
 
 
 @pytest.mark.parametrize(
-    ("overrides", "world", "device", "expected"),
+    ("sample_rate", "world", "device", "fused", "expected"),
     [
-        ([], 1, "cpu", "not on a GPU"),
-        ([], 2, "cuda", "several processes"),
-        (["head.sample_rate=0.5"], 1, "cuda", "partial FC"),
-        (["head.kernel=triton", "head.fused_update=true", "optim.grad_clip=null"], 1, "cuda",
-         None),
-        ([], 1, "cuda", None),
+        (1.0, 1, "cpu", True, "not on a GPU"),
+        (1.0, 2, "cuda", True, "several processes"),
+        (0.5, 1, "cuda", True, "partial FC"),
+        (1.0, 1, "cuda", False, "no fused kernel"),
+        (1.0, 1, "cuda", True, None),
     ],
 )  # fmt: skip
-def test_where_graphs_do_not_apply_the_run_says_why(overrides, world, device, expected):
-    cfg = load_config("ms1m_arcface", overrides)
-    fused = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1, fused=True)
-    reason = refusal(cfg, world, torch.device(device), fused)
+def test_where_graphs_do_not_apply_the_run_says_why(sample_rate, world, device, fused, expected):
+    cfg = load_config("ms1m_arcface", [f"head.sample_rate={sample_rate}"])
+    head = build_head(cfg.head, 20, 16, seed=0)
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.1, fused=fused or None, foreach=False)
+    reason = refusal(head, optimizer, torch.device(device), world)
     assert reason == expected if expected is None else expected in reason
-
-
-def test_an_optimizer_without_a_fused_kernel_is_refused():
-    cfg = load_config("ms1m_arcface", [])
-    plain = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1, foreach=False)
-    assert "fused" in refusal(cfg, 1, torch.device("cuda"), plain)
 
 
 def test_config_refuses_graphs_inside_reduce_overhead():
@@ -197,13 +191,12 @@ def _losses(run_dir) -> list[float]:
 
 def test_a_run_with_graphs_logs_the_curve_of_the_eager_run(tmp_path, monkeypatch):
     """train() end to end (loop, hooks, log window) with the stand-in graph in place of
-    CUDA's and the device check lifted: the same losses as train.cuda_graphs=false."""
+    CUDA's: the same losses as train.cuda_graphs=false."""
     root = make_image_folder(tmp_path / "data")
     # A log line every 4 steps: the log window keeps 4 steps' results before it reads them.
     eager = tiny_config(root, tmp_path / "eager", "train.max_steps=8", "train.log_every=4")
     train(eager)
-    monkeypatch.setattr(graphed, "refusal", lambda *args: None)
-    monkeypatch.setattr(graphed, "CudaGraph", TapeGraph)
+    monkeypatch.setattr(graphed, "CudaGraph", TapeGraph)  # a CPU's graph
     overrides = ("train.max_steps=8", "train.log_every=4", "train.cuda_graphs=true")
     captured = tiny_config(root, tmp_path / "graphs", *overrides)
     train(captured)

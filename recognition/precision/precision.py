@@ -65,7 +65,9 @@ class Precision:
         self._weights = MasterWeights(keep_masters=self._level.keeps_masters)
         self._update = MaskedUpdate()
         self._unit_scale = torch.ones((), dtype=torch.float32, device=device)
-        self._autocast_cache = True  # off while a CUDA graph captures (`capturing`)
+        # Off while a CUDA graph captures the step (training/graphed.py), as torch asks: a
+        # weight cast at each use rather than once per forward, the same values.
+        self.autocast_cache = True
 
     def prepare(self, *modules: nn.Module) -> None:
         """Cast `modules` in place for this level and (O2) make the fp32 master copies.
@@ -92,18 +94,7 @@ class Precision:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context the forward pass runs in: autocast for O1/O2, a no-op for O0/O3."""
-        return casting.autocast(self._level, self.device, cache=self._autocast_cache)
-
-    @contextlib.contextmanager
-    def capturing(self) -> Iterator[None]:
-        """While a CUDA graph captures the step (`recognition.training.graphed`): autocast
-        without its cache of cast weights, as torch asks of a capture. The same values: a
-        weight is cast at each use instead of once per forward."""
-        self._autocast_cache = False
-        try:
-            yield
-        finally:
-            self._autocast_cache = True
+        return casting.autocast(self._level, self.device, cache=self.autocast_cache)
 
     def cast_inputs(self, x: Tensor) -> Tensor:
         """`x` in the half dtype under O2/O3 (floating tensors only); unchanged otherwise."""

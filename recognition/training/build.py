@@ -68,7 +68,7 @@ from recognition.training.finetune import start_from_file
 from recognition.training.finetune.freeze import freeze_batch_norm
 from recognition.training.finetune.head_only import HeadOnlyGate
 from recognition.training.finetune.init_backbone import InitBackbone
-from recognition.training.graphed import with_cuda_graphs
+from recognition.training.graphed import GraphedStep
 from recognition.training.holdout import split_for_eval
 from recognition.training.parts import ModelParts, compile_model, wrap_model
 from recognition.training.pipeline_step import PipelineStep, build_pipeline_step
@@ -294,9 +294,6 @@ def build(
         global_batch=global_batch(cfg, num_replicas),
         world_size=dist_info.world_size,
     )
-    step = parts.step
-    if layout is None:
-        step = with_cuda_graphs(step, cfg, dist_info.world_size, dist_info.device, optimizer)
     model, head_only = parts.model, cfg.train.head_only_steps
     if head_only > 0:
         model = HeadOnlyGate(model, lambda: progress.step < head_only)
@@ -318,7 +315,7 @@ def build(
         classes_sha256=source.classes_fingerprint(),
         num_classes=source.num_classes,
         memory_format=memory_format,
-        step=step,
+        step=parts.step,
         layout=layout,
         param_ids=parts.param_ids,
         eval_targets=data.eval_targets,
@@ -379,6 +376,8 @@ def build_model(
         if distill is not None:
             extra["distill"] = distill.step_term()
         step: Callable[..., StepResult] = partial(train_step, **extra) if extra else train_step
+        if cfg.train.cuda_graphs:  # captured and replayed where it can be (its first call says)
+            step = GraphedStep(step)
         param_ids = None
     else:
         backbone, head, model, step, param_ids = _build_pipeline(

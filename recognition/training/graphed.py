@@ -20,16 +20,15 @@ step (head-only steps ending) is captured anew and replaces the graph.
 
 What a replay does not do: run Python. So the step must read nothing on the host and
 branch on no tensor's value (the training step does neither, `recognition.training.step`)
-and every per-step value must live in a tensor. Where that does not hold, `refusal` says
-why in one line and the run steps eagerly: not on a GPU; several processes (DDP's
-gradient hooks are not captured here); a pipelined backbone (its schedule sends between
-ranks); partial FC (the sampled classes' count is data-dependent); an optimizer without
-a fused kernel (its skipped steps are read on the host). head.fused_update is captured
-too: its kernel reads the rate from the device tensor it is handed while the step is
-captured. The config refuses it with
-train.compile_mode=reduce-overhead, which makes graphs of its own. A capture that fails
-anyway stops the run with the cause and the setting that turns it off
-(`GraphCaptureError`).
+and every per-step value must live in a tensor. Where that does not hold, the first call
+says why in one line (`refusal`) and every step runs eagerly: not on a GPU; several
+processes (DDP's gradient hooks are not captured here); partial FC (the sampled classes'
+count is data-dependent); an optimizer without a fused kernel (its skipped steps are read
+on the host). A pipelined backbone's step is not wrapped (its schedule sends between
+ranks), and the config refuses train.compile_mode=reduce-overhead beside it, which makes
+graphs of its own. head.fused_update is captured too: its kernel reads the rate from the
+device tensor it is handed while the step is captured. A capture that fails anyway stops
+the run with the cause and the setting that turns it off (`GraphCaptureError`).
 
 `graph` makes the graph: `CudaGraph` (torch.cuda.CUDAGraph) by default; a test can pass
 a stand-in that records aten operations on a CPU and replays them with their captured
@@ -46,9 +45,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from recognition.config import ExperimentConfig
 from recognition.precision import Precision, StepResult
 
 log = logging.getLogger(__name__)
@@ -58,8 +57,11 @@ WARMUP_STEPS = 3
 
 
 class Graph(Protocol):
-    """What GraphedStep needs of a graph: a capture of what runs inside `capture()`, and
-    `replay()` of it."""
+    """What GraphedStep needs of a graph: whether it `runs_on` a device, a capture of what
+    runs inside `capture()`, and `replay()` of it."""
+
+    @staticmethod
+    def runs_on(device: torch.device) -> bool: ...
 
     def capture(self) -> contextlib.AbstractContextManager: ...
 
@@ -72,6 +74,10 @@ class CudaGraph:
 
     def __init__(self) -> None:
         self._graph = torch.cuda.CUDAGraph()
+
+    @staticmethod
+    def runs_on(device: torch.device) -> bool:
+        return device.type == "cuda"
 
     def capture(self) -> contextlib.AbstractContextManager:
         # thread_local: what this thread does is captured and checked; the loader's threads
@@ -119,11 +125,12 @@ class GraphedStep:
         step: Callable[..., StepResult],
         *,
         warmup: int = WARMUP_STEPS,
-        graph: Callable[[], Graph] | None = None,
+        graph: type[Graph] | None = None,
     ) -> None:
         self._step = step
         self._warmup = warmup
         self._make_graph = graph if graph is not None else CudaGraph
+        self._eager_only: bool | None = None  # decided at the first call (`refusal`)
         self._key: StepKey | None = None
         self._eager_steps = 0  # of the current key
         self._graph: Graph | None = None
@@ -143,6 +150,15 @@ class GraphedStep:
         precision: Precision,
         max_grad_norm: float | None,
     ) -> StepResult:
+        if self._eager_only is None:
+            device = micro_batches[0][0].device
+            world_size = dist.get_world_size() if dist.is_initialized() else 1
+            reason = refusal(head, optimizer, device, world_size, self._make_graph)
+            if reason is not None:
+                log.info("train.cuda_graphs: off: %s", reason)
+            self._eager_only = reason is not None
+        if self._eager_only:
+            return self._step(backbone, head, micro_batches, optimizer, precision, max_grad_norm)
         key = step_key(backbone, micro_batches, max_grad_norm)
         if key != self._key:  # a new kind of step: warm up again, then capture it
             self._key, self._eager_steps, self._graph = key, 0, None
@@ -173,7 +189,7 @@ class GraphedStep:
         precision.zero_grad(optimizer)
         graph = self._make_graph()
         try:
-            with _tensor_lrs(optimizer, self._lrs), precision.capturing(), graph.capture():
+            with _tensor_lrs(optimizer, self._lrs), _uncached(precision), graph.capture():
                 result = self._step(
                     backbone, head, self._static, optimizer, precision, max_grad_norm
                 )
@@ -242,6 +258,17 @@ def _tensor_lrs(optimizer: torch.optim.Optimizer, lrs: list[Tensor]) -> Iterator
 
 
 @contextlib.contextmanager
+def _uncached(precision: Precision) -> Iterator[None]:
+    """Autocast without its cache of cast weights while the step is captured, as torch asks
+    of a CUDA graph capture (the same values: a weight cast at each use)."""
+    precision.autocast_cache = False
+    try:
+        yield
+    finally:
+        precision.autocast_cache = True
+
+
+@contextlib.contextmanager
 def _side_stream(micro_batches: Sequence[tuple[Tensor, ...]]) -> Iterator[None]:
     """A warm-up step on a CUDA side stream, as CUDA graphs ask of the steps before a
     capture (lazily made handles and workspaces belong to that stream, not the capture's);
@@ -259,35 +286,20 @@ def _side_stream(micro_batches: Sequence[tuple[Tensor, ...]]) -> Iterator[None]:
 
 
 def refusal(
-    cfg: ExperimentConfig, world_size: int, device: torch.device, optimizer: Any
+    head: nn.Module,
+    optimizer: Any,
+    device: torch.device,
+    world_size: int,
+    graph: type[Graph] | None = None,
 ) -> str | None:
-    """Why train.cuda_graphs cannot capture this run's step (one line), or None when it can."""
-    if device.type != "cuda":
+    """Why a step on `device` with `head` and `optimizer` over `world_size` processes cannot
+    be captured in `graph` (CudaGraph by default): one line, or None when it can."""
+    if not (graph or CudaGraph).runs_on(device):
         return "not on a GPU"
     if world_size > 1:
         return "several processes (DDP's gradient all-reduce is not captured here)"
-    if cfg.model.pipeline_stages > 1:
-        return "a pipelined backbone (its schedule sends between ranks)"
-    if cfg.head.sample_rate < 1:
+    if getattr(head, "sample_rate", 1.0) < 1:
         return "partial FC (head.sample_rate < 1: the sampled classes' count is data-dependent)"
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return "the optimizer has no fused kernel (its skipped steps are read on the host)"
     return None
-
-
-def with_cuda_graphs(
-    step: Callable[..., StepResult],
-    cfg: ExperimentConfig,
-    world_size: int,
-    device: torch.device,
-    optimizer: torch.optim.Optimizer,
-) -> Callable[..., StepResult]:
-    """`step` as train.cuda_graphs says: a GraphedStep where it applies; else `step` itself,
-    with a line that says why when it was asked for."""
-    if not cfg.train.cuda_graphs:
-        return step
-    reason = refusal(cfg, world_size, device, optimizer)
-    if reason is not None:
-        log.info("train.cuda_graphs: off: %s", reason)
-        return step
-    return GraphedStep(step)
