@@ -169,18 +169,12 @@ class GraphedStep:
             with _side_stream(micro_batches):
                 return self._step(*args)
         if self._graph is None:
-            self._capture(*args)
+            self._capture(args)
         return self._replay(micro_batches, optimizer)
 
-    def _capture(
-        self,
-        backbone: nn.Module,
-        head: nn.Module,
-        micro_batches: Sequence[tuple[Tensor, ...]],
-        optimizer: torch.optim.Optimizer,
-        precision: Precision,
-        max_grad_norm: float | None,
-    ) -> None:
+    def _capture(self, args: tuple) -> None:
+        """Capture the step of `args` (the call's) over static copies of its batches."""
+        backbone, head, micro_batches, optimizer, precision, max_grad_norm = args
         # Outside the graph's memory: the step reads them and the replays refill them.
         self._static = [tuple(t.clone() for t in batch) for batch in micro_batches]
         self._lrs = [_lr_tensor(group["lr"], _device_of(group)) for group in optimizer.param_groups]
