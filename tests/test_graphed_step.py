@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 
 import pytest
 import torch
@@ -245,3 +246,18 @@ def test_a_gpu_run_with_graphs_logs_the_curve_of_the_eager_run(tmp_path):
     assert len(runs["eager"]) == 2
     # cuDNN may choose other algorithms in another run: float rounding apart, not bits.
     torch.testing.assert_close(runs["graphs"], runs["eager"], rtol=1e-4, atol=0)
+
+
+def test_the_run_planner_plans_the_eager_step(tmp_path, caplog):
+    """train.py --plan and the memory check plan the eager step with graphs on (a captured
+    step holds the same step's memory in its graph's pool), and say nothing of graphs."""
+    from recognition.training.plan.rank import plan_rank
+
+    root = make_image_folder(tmp_path / "data")
+    caplog.set_level(logging.INFO)
+    plans = [
+        plan_rank(tiny_config(root, tmp_path / "run", *extra), 12, 1, 0, detailed=False).peak
+        for extra in ((), ("train.cuda_graphs=true",))
+    ]
+    assert plans[0] == plans[1] > 0
+    assert "cuda_graphs" not in caplog.text

@@ -13,6 +13,7 @@ what `plan_rank`'s default (`train.py --plan`, `train.memory_check`) plans.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 
@@ -37,6 +38,8 @@ def measure_rank(
     (collective when a process group exists), counting everything allocated since the
     parts were built, each allocation rounded up to a multiple of `granularity`."""
     torch.manual_seed(cfg.seed + dist_info.rank)
+    # The eager step, as the plan counts it (plan/fake.py).
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cuda_graphs=False))
     # What earlier work left in reference cycles is freed now, not by a collection in the
     # middle of the profile: freeing a block allocated under an earlier profile would count
     # against this one's bytes.

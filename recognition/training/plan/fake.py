@@ -218,6 +218,10 @@ def _build(
         # tensors would make the head log that choice, which is not the run's, into the
         # run's log. On a GPU where auto takes Triton, the plan counts at most its memory.
         cfg = dataclasses.replace(cfg, head=dataclasses.replace(cfg.head, kernel="torch"))
+    if cfg.train.cuda_graphs:
+        # The eager step: a captured one holds the same step's memory in its graph's pool,
+        # and its first call would log its choice (off: not on a GPU) into the run's log.
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cuda_graphs=False))
     # Parameters in the contiguous format: a channels-last copy has the same bytes, and
     # Module.to cannot convert fake parameters. The batch keeps the run's format.
     return build_model(
