@@ -12,17 +12,21 @@ the replay asks of the step what a CUDA graph asks:
 - nothing is read on the host: an operation that would be (`.item()`, `bool(tensor)`) or
   whose output size depends on values (`nonzero`, `unique`) raises during the capture, as
   a capturing CUDA stream refuses it.
-Unlike a CUDA graph, it does not capture Triton kernels (they are not aten operations).
+The head's Triton kernels (run by Triton's interpreter on a CPU) are not aten operations:
+their launches (`recognition.heads.kernels.host.launch`, as the kernel modules call it) are
+recorded beside them and launched again on replay, with the same arguments; what a launch
+may write into memory the capture did not make (any such tensor argument) is put back too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 
 import torch
 from helpers import MASK_INDEXING_OPS, SYNCING_OPS, has_mask
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 
@@ -77,6 +81,49 @@ def _where(tensor: torch.Tensor) -> tuple:
             tuple(tensor.shape), tensor.stride())  # fmt: skip
 
 
+# The modules that launch the head's Triton kernels, each through its own `launch` name.
+LAUNCHING_MODULES = ("recognition.heads.kernels.forward", "recognition.heads.kernels.gemm_backward")
+
+
+@contextlib.contextmanager
+def _launches_recorded(recorder: _Recorder) -> Iterator[None]:
+    """While capturing, each kernel launch runs (outside the dispatch mode: the interpreter's
+    own tensor work is not the step's) and is recorded; the tensors it is handed that the
+    capture did not make are saved first, since it may write into any of them."""
+    modules = [importlib.import_module(name) for name in LAUNCHING_MODULES]
+    originals = [module.launch for module in modules]
+
+    def recorded(original):
+        def launch(kernel, grid, *args, **kwargs):
+            for tensor in _launch_tensors(args, kwargs):
+                key = _where(tensor)
+                if key[0] not in recorder.made and key not in recorder.saved:
+                    recorder.saved[key] = (tensor, tensor.clone())
+            with _disable_current_modes():
+                original(kernel, grid, *args, **kwargs)
+            recorder.records.append((original, (kernel, grid, *args), kwargs, None))
+
+        return launch
+
+    for module, original in zip(modules, originals, strict=True):
+        module.launch = recorded(original)
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals, strict=True):
+            module.launch = original
+
+
+def _launch_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a launch is handed, a tensor descriptor's by its base."""
+    found = []
+    for value in (*args, *kwargs.values()):
+        value = getattr(value, "base", value)
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+    return found
+
+
 class TapeGraph:
     """See the module docstring: `capture()` (a context) and `replay()`."""
 
@@ -93,7 +140,7 @@ class TapeGraph:
         # (weights, optimizer state, statistics) is put back, and the first replay does it.
         saved: dict = {}
         try:
-            with _Recorder(self.records, saved):
+            with _Recorder(self.records, saved) as recorder, _launches_recorded(recorder):
                 yield
         finally:
             with torch.no_grad():
@@ -104,6 +151,8 @@ class TapeGraph:
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
             for func, args, kwargs, out in self.records:
                 fresh = func(*args, **kwargs)
+                if out is None:  # a kernel launch: it wrote into its arguments
+                    continue
                 for kept, new in zip(tree_leaves(out), tree_leaves(fresh), strict=True):
                     if not isinstance(kept, torch.Tensor) or new is kept:
                         continue  # an in-place operation wrote into the captured tensor

@@ -110,6 +110,21 @@ def test_replayed_steps_match_the_eager_steps_bit_for_bit(case):
             assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("level", ["O0", "O1"])
+def test_the_triton_head_with_its_fused_update_replays_its_eager_steps(level):
+    """The head's kernels (Triton's interpreter) in the captured step, the fused update
+    reading its rate from the device tensor the capture hands it: the eager curve and
+    weights, bit for bit, the rate changing at every step."""
+    cpu = torch.device("cpu")
+    kwargs = dict(level=level, clip=None, fused_update=True)
+    eager_losses, eager_weights, _ = _train(train_step, cpu, **kwargs)
+    graphed_step = GraphedStep(train_step, warmup=2, graph=TapeGraph)
+    losses, weights, _ = _train(graphed_step, cpu, **kwargs)
+    assert (graphed_step.captures, graphed_step.replays) == (1, STEPS - 2)
+    assert torch.equal(losses, eager_losses), (losses, eager_losses)
+    assert all(torch.equal(a, b) for a, b in zip(weights, eager_weights, strict=True))
+
+
 def test_the_stand_in_freezes_what_python_held_at_capture(monkeypatch):
     """The check has teeth: with the learning rates left as floats, the replayed steps keep
     the capture's rate, as a CUDA graph would, and drift from the eager ones."""
