@@ -205,17 +205,23 @@ def _losses(run_dir) -> list[float]:
     return [record["loss"] for record in map(json.loads, lines) if "loss" in record]
 
 
-def test_a_run_with_graphs_logs_the_curve_of_the_eager_run(tmp_path, monkeypatch):
-    """train() end to end (loop, hooks, log window) with the stand-in graph in place of
-    CUDA's: the same losses as train.cuda_graphs=false."""
+RUNS = {
+    "default": (),
+    "O1, Triton head, fused update": ("precision.level=O1", "head.kernel=triton",
+                                      "head.fused_update=true", "optim.grad_clip=null"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_a_run_with_graphs_logs_the_curve_of_the_eager_run(tmp_path, monkeypatch, run):
+    """train() end to end (loop, hooks, log window, an IResNet) with the stand-in graph in
+    place of CUDA's: the same losses as train.cuda_graphs=false."""
     root = make_image_folder(tmp_path / "data")
     # A log line every 4 steps: the log window keeps 4 steps' results before it reads them.
-    eager = tiny_config(root, tmp_path / "eager", "train.max_steps=8", "train.log_every=4")
-    train(eager)
+    common = ("train.max_steps=8", "train.log_every=4", *RUNS[run])
+    train(tiny_config(root, tmp_path / "eager", *common))
     monkeypatch.setattr(graphed, "CudaGraph", TapeGraph)  # a CPU's graph
-    overrides = ("train.max_steps=8", "train.log_every=4", "train.cuda_graphs=true")
-    captured = tiny_config(root, tmp_path / "graphs", *overrides)
-    train(captured)
+    train(tiny_config(root, tmp_path / "graphs", *common, "train.cuda_graphs=true"))
     assert "captured the training step" in (tmp_path / "graphs" / "train.log").read_text()
     assert _losses(tmp_path / "graphs") == _losses(tmp_path / "eager")
     assert len(_losses(tmp_path / "eager")) == 2
