@@ -143,8 +143,8 @@ class TapeGraph:
             with _Recorder(self.records, saved) as recorder, _launches_recorded(recorder):
                 yield
         finally:
-            with torch.no_grad():
-                for tensor, copy in saved.values():
+            with torch.no_grad():  # the earliest copy last: where two overlap, it wins
+                for tensor, copy in reversed(saved.values()):
                     tensor.copy_(copy)
 
     def replay(self) -> None:
