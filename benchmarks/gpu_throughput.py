@@ -146,10 +146,14 @@ def _ops_row(run: SectionRun, plan: ThroughputPlan) -> None:
 # best ViT, at the smoke's tiny width for --smoke), and the IResNet at O2 (half weights: no
 # weight casts in the step: 1,126 aten operations on the CPU count against O1's 1,201, 82
 # of them allocations without a kernel).
+# Model-only targets, IResNet-50 at batch 256: the eager row's, and the captured step's
+# (train.cuda_graphs: the issue's 6,000 images/s).
+EAGER_TARGET, GRAPHS_TARGET = 5000.0, 6000.0
+
 VARIANT_ROWS = (  # most valuable first
     # train.cuda_graphs: the eager step captured once and replayed (its first 5 steps, 3
     # eager, the capture, and a replay, are the warm-up); on a GPU only.
-    ("model only, eager, CUDA graphs", ("train.cuda_graphs=true",), {"cuda_graphs": True}),
+    ("model only, eager, CUDA graphs", ("train.cuda_graphs=true",), {"captured": True}),
     ("model only, eager, mbf", ("model.backbone=mbf",), {"family": "MobileFaceNet"}),
     ("model only, eager, vit_b", ("model.backbone=vit_b",), {"family": "ViT"}),
     ("model only, eager, O2", ("precision.level=O2",), {"precision": "O2"}),
@@ -166,7 +170,7 @@ def _variant_rows(run: SectionRun, plan: ThroughputPlan, base: list[str], device
         if run.time_left() < (15 if run.smoke else 40):
             run.skip(what, "no time left in the section")
             continue
-        if "cuda_graphs" in extra and device.type != "cuda":
+        if "captured" in extra and device.type != "cuda":
             run.skip(what, "on a GPU only (CUDA graphs)")
             continue
         try:
@@ -177,11 +181,13 @@ def _variant_rows(run: SectionRun, plan: ThroughputPlan, base: list[str], device
         except Exception as exc:  # noqa: BLE001 - a row, and the section goes on
             run.fail(what, first_line(f"{type(exc).__name__}: {exc}"))
             continue
-        if "cuda_graphs" in extra and not model["cuda_graphs"]:
+        if "captured" in extra and not model["cuda_graphs"]:
             run.fail(what, "the step ran eagerly: train.cuda_graphs refused it (see the log)")
             continue
         ratio = model["images_per_s"] / eager
-        _model_row(run, what, model, matmul, target=False, after_rate=f"x{ratio:.2f} eager, ",
+        # The captured step is the one meant to reach the issue's 6,000 images/s.
+        target = GRAPHS_TARGET if "captured" in extra else None
+        _model_row(run, what, model, matmul, target=target, after_rate=f"x{ratio:.2f} eager, ",
                    x_eager=ratio, **extra)  # fmt: skip
         if device.type == "cuda":
             import torch
@@ -189,14 +195,15 @@ def _variant_rows(run: SectionRun, plan: ThroughputPlan, base: list[str], device
             torch.cuda.empty_cache()
 
 
-def _model_row(run: SectionRun, what: str, model: dict, matmul: float, *, target: bool = True,
-               after_rate: str = "", **extra: Any) -> None:  # fmt: skip
-    """A model-only row; `target`: held to the IResNet-50 target of 5,000 images/s;
+def _model_row(run: SectionRun, what: str, model: dict, matmul: float, *,
+               target: float | None = EAGER_TARGET, after_rate: str = "",
+               **extra: Any) -> None:  # fmt: skip
+    """A model-only row; `target`: the images/s it is held to (None: none);
     `after_rate`: text after its images/s."""
     percent, text = _model_text(model, matmul, after_rate)
-    wanted = None if run.smoke or not target else ">= 5,000 images/s"
+    wanted = None if run.smoke or target is None else f">= {target:,.0f} images/s"
     run.add(what, text, target=wanted,
-            met=None if wanted is None else model["images_per_s"] >= 5000,
+            met=None if wanted is None else model["images_per_s"] >= target,
             percent_of_matmul=percent, **extra, **model)  # fmt: skip
 
 

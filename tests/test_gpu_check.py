@@ -756,3 +756,36 @@ def test_the_exit_is_timed_from_train_pys_last_line():
     assert common.exit_after_last_line(log, 59.1) == pytest.approx(0.5)
     assert common.exit_after_last_line(log, 58.0) == 0.0  # clocks apart: not negative
     assert common.exit_after_last_line("no such line\n", 59.1) is None
+
+
+def test_the_captured_step_row_is_held_to_the_issues_rate_and_fails_if_run_eagerly(tmp_path):
+    """The `model only, eager, CUDA graphs` row (known measurements, a GPU run): held to 6,000
+    images/s where the other variant rows have no target, and failed when the step was not
+    captured (train.cuda_graphs refused it)."""
+    import types
+
+    import torch
+
+    model = {"images_per_s": 6500.0, "tflops": 100.0, "warmup_s": 3.0, "gpu_memory_mib": 1.0,
+             "steady_memory_mib": 1.0, "cuda_graphs": 1}  # fmt: skip
+    measured = []
+
+    def measure_model(cfg, device, num_classes, steps, warmup):
+        measured.append(cfg.train.cuda_graphs)
+        return dict(model, cuda_graphs=1 if captures else 0)
+
+    fake = types.SimpleNamespace(measure_model=measure_model)
+    plan = gpu_throughput.ThroughputPlan("default", (), 8, 4, 32, 3, 1, 4)
+    for captures in (True, False):
+        run = gpu_sections.SectionRun("throughput", False, {"gpus": 1}, time.monotonic() + 600,
+                                      tmp_path / "rows.json")  # fmt: skip
+        gpu_throughput._variant_rows(run, plan, [], torch.device("cuda"), 1000.0, 5000.0, fake)
+        rows = {row["what"]: row for row in run.rows}
+        graphs = rows["model only, eager, CUDA graphs"]
+        if captures:
+            assert graphs["status"] == "ok" and graphs["target"] == ">= 6,000 images/s"
+            assert graphs["met"] is True and "x1.30 eager" in graphs["result"]
+        else:
+            assert graphs["status"] == "failed" and "refused" in graphs["result"]
+        assert rows["model only, eager, O2"]["target"] is None
+    assert measured[0] is True and measured.count(True) == 2
