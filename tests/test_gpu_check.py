@@ -789,3 +789,27 @@ def test_the_captured_step_row_is_held_to_the_issues_rate_and_fails_if_run_eager
             assert graphs["status"] == "failed" and "refused" in graphs["result"]
         assert rows["model only, eager, O2"]["target"] is None
     assert measured[0] is True and measured.count(True) == 2
+
+
+def test_the_model_only_measurement_captures_the_step_with_train_cuda_graphs(tmp_path):
+    """`measure_model` with train.cuda_graphs (the CPU stand-in graph in place of CUDA's):
+    its warm-up steps cover the eager steps and the capture, the timed steps are replays,
+    and it says so (`cuda_graphs`: 1; 0 without)."""
+    import dataclasses
+
+    import torch
+    from graph_tape import TapeGraph
+
+    import recognition.training.graphed as graphed
+    from benchmarks import train_throughput
+
+    _, plan, _, cfg = smoke_throughput(tmp_path)
+    captured = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cuda_graphs=True))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(graphed, "CudaGraph", TapeGraph)
+        results = [
+            train_throughput.measure_model(c, torch.device("cpu"), plan.identities, 2, 5)
+            for c in (cfg, captured)
+        ]
+    assert [r["cuda_graphs"] for r in results] == [0, 1]
+    assert all(r["images_per_s"] > 0 for r in results)
