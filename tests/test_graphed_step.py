@@ -32,8 +32,9 @@ from recognition.training.step import train_step
 NUM_CLASSES, STEPS = 20, 9
 
 
-def _parts(device: torch.device, level: str, dtype: str, optimizer: str, *, head_only: int = 0,
-           fused_update: bool = False):  # fmt: skip
+def _parts(device: torch.device, level: str = "O0", dtype: str = "bf16", optimizer: str = "sgd", *,
+           head_only: int = 0, fused_update: bool = False, init_scale: float = 2.0**16,
+           growth_interval: int = 2000):  # fmt: skip
     """A small conv backbone (BN, PReLU), the config's head and optimizer, a schedule whose
     rate changes at every step (linear warm-up, then poly decay); `fused_update`: the Triton
     head stepping its rows in its backward."""
@@ -46,7 +47,9 @@ def _parts(device: torch.device, level: str, dtype: str, optimizer: str, *, head
         nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.PReLU(8), nn.Flatten(), nn.Linear(288, 16)
     ).to(device)
     head = build_head(cfg.head, NUM_CLASSES, 16, seed=0, device=device)
-    precision = Precision(level, dtype, device)
+    precision = Precision(
+        level, dtype, device, init_scale=init_scale, growth_interval=growth_interval
+    )
     precision.prepare(backbone, head)
     groups = precision.param_groups(param_groups([backbone, head], 5e-4))
     opt = build_optimizer(groups, cfg.optim)
@@ -62,13 +65,12 @@ def _parts(device: torch.device, level: str, dtype: str, optimizer: str, *, head
     return backbone, model, head, precision, opt, scheduler, progress
 
 
-def _train(step, device, level="O0", dtype="bf16", optimizer="sgd", *, clip=5.0, micro=1,
-           head_only=0, fused_update=False):  # fmt: skip
-    backbone, model, head, precision, opt, scheduler, progress = _parts(
-        device, level, dtype, optimizer, head_only=head_only, fused_update=fused_update
-    )
+def _train(step, device, *, clip=5.0, micro=1, **parts):
+    """STEPS steps of `step` over `_parts(device, **parts)`: the curve (a row per step: the
+    loss, the loss scale and whether the step updated), the weights after, the Precision."""
+    backbone, model, head, precision, opt, scheduler, progress = _parts(device, **parts)
     generator = torch.Generator().manual_seed(1)
-    losses = []
+    curve = []
     for _ in range(STEPS):
         batches = [
             (torch.randn(6, 3, 8, 8, generator=generator).to(device),
@@ -78,9 +80,10 @@ def _train(step, device, level="O0", dtype="bf16", optimizer="sgd", *, clip=5.0,
         result = step(model, head, batches, opt, precision, clip)
         scheduler.step()
         progress["step"] += 1
-        losses.append(result.loss)
+        # Each step's loss, loss scale (1 without a scaler) and whether it stepped.
+        curve.append(torch.stack([result.loss, result.scale, result.stepped]).float())
     weights = [t.detach().clone() for t in [*backbone.parameters(), *head.parameters()]]
-    return torch.stack(losses).cpu(), weights, precision
+    return torch.stack(curve).cpu(), weights, precision
 
 
 CASES = {
@@ -89,6 +92,14 @@ CASES = {
     "O2 bf16 (masters), sgd, clip": dict(level="O2"),
     "O0, 2 micro-batches": dict(level="O0", micro=2),
     "O0, adamw": dict(level="O0", optimizer="adamw"),
+    # The loss scale doubles after every good step from 256 and overflows fp16 at 1,024: the
+    # replayed steps grow it, back it off and skip their updates as the eager ones do.
+    "O1 fp16, loss scale growing and backing off": dict(
+        level="O1", dtype="fp16", init_scale=256.0, growth_interval=1
+    ),
+    "O2 fp16 (masters), loss scale growing and backing off": dict(
+        level="O2", dtype="fp16", init_scale=256.0, growth_interval=1
+    ),
 }
 
 
@@ -101,6 +112,10 @@ def test_replayed_steps_match_the_eager_steps_bit_for_bit(case):
     losses, weights, _ = _train(graphed_step, cpu, **kwargs)
     assert (graphed_step.captures, graphed_step.replays) == (1, STEPS - 2)
     assert torch.equal(losses, eager_losses), (losses, eager_losses)
+    if kwargs.get("dtype") == "fp16":
+        replayed = losses[3:]  # after the 2 eager steps and the capture's
+        assert set(replayed[:, 2].tolist()) == {0.0, 1.0}, "steps skipped and taken, replayed"
+        assert len(set(replayed[:, 1].tolist())) >= 3, "the scale grown and backed off"
     for ours, theirs in zip(weights, eager_weights, strict=True):
         if kwargs.get("optimizer") == "adamw":
             # Replayed, AdamW reads its rate from a float32 tensor, eager from a Python float
@@ -122,6 +137,10 @@ def test_the_triton_head_with_its_fused_update_replays_its_eager_steps(level):
     losses, weights, _ = _train(graphed_step, cpu, **kwargs)
     assert (graphed_step.captures, graphed_step.replays) == (1, STEPS - 2)
     assert torch.equal(losses, eager_losses), (losses, eager_losses)
+    if kwargs.get("dtype") == "fp16":
+        replayed = losses[3:]  # after the 2 eager steps and the capture's
+        assert set(replayed[:, 2].tolist()) == {0.0, 1.0}, "steps skipped and taken, replayed"
+        assert len(set(replayed[:, 1].tolist())) >= 3, "the scale grown and backed off"
     assert all(torch.equal(a, b) for a, b in zip(weights, eager_weights, strict=True))
 
 
@@ -237,6 +256,9 @@ CUDA_CASES = {
     "O1 bf16, sgd, no clip": CASES["O1 bf16, sgd, no clip"],
     "O2 bf16 (masters), sgd, clip": CASES["O2 bf16 (masters), sgd, clip"],
     "O0, adamw": CASES["O0, adamw"],
+    "O1 fp16, loss scale growing and backing off": CASES[
+        "O1 fp16, loss scale growing and backing off"
+    ],
     "O1 bf16, triton head, fused update": dict(level="O1", clip=None, fused_update=True),
 }
 
