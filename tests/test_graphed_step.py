@@ -103,17 +103,25 @@ CASES = {
 }
 
 
+def _eager_and_replayed(**kwargs):
+    """`_train` eagerly, then with GraphedStep on the stand-in graph (2 eager steps, the
+    capture, 6 replays): the replayed run's curve and weights, after checking its curve is
+    the eager one bit for bit, and the eager run's weights."""
+    cpu = torch.device("cpu")
+    eager_curve, eager_weights, _ = _train(train_step, cpu, **kwargs)
+    graphed_step = GraphedStep(train_step, warmup=2, graph=TapeGraph)
+    curve, weights, _ = _train(graphed_step, cpu, **kwargs)
+    assert (graphed_step.captures, graphed_step.replays) == (1, STEPS - 2)
+    assert torch.equal(curve, eager_curve), (curve, eager_curve)
+    return curve, weights, eager_weights
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_replayed_steps_match_the_eager_steps_bit_for_bit(case):
     kwargs = CASES[case]
-    cpu = torch.device("cpu")
-    eager_losses, eager_weights, _ = _train(train_step, cpu, **kwargs)
-    graphed_step = GraphedStep(train_step, warmup=2, graph=TapeGraph)
-    losses, weights, _ = _train(graphed_step, cpu, **kwargs)
-    assert (graphed_step.captures, graphed_step.replays) == (1, STEPS - 2)
-    assert torch.equal(losses, eager_losses), (losses, eager_losses)
+    curve, weights, eager_weights = _eager_and_replayed(**kwargs)
     if kwargs.get("dtype") == "fp16":
-        replayed = losses[3:]  # after the 2 eager steps and the capture's
+        replayed = curve[3:]  # after the 2 eager steps and the capture's
         assert set(replayed[:, 2].tolist()) == {0.0, 1.0}, "steps skipped and taken, replayed"
         assert len(set(replayed[:, 1].tolist())) >= 3, "the scale grown and backed off"
     for ours, theirs in zip(weights, eager_weights, strict=True):
@@ -130,17 +138,7 @@ def test_the_triton_head_with_its_fused_update_replays_its_eager_steps(level):
     """The head's kernels (Triton's interpreter) in the captured step, the fused update
     reading its rate from the device tensor the capture hands it: the eager curve and
     weights, bit for bit, the rate changing at every step."""
-    cpu = torch.device("cpu")
-    kwargs = dict(level=level, clip=None, fused_update=True)
-    eager_losses, eager_weights, _ = _train(train_step, cpu, **kwargs)
-    graphed_step = GraphedStep(train_step, warmup=2, graph=TapeGraph)
-    losses, weights, _ = _train(graphed_step, cpu, **kwargs)
-    assert (graphed_step.captures, graphed_step.replays) == (1, STEPS - 2)
-    assert torch.equal(losses, eager_losses), (losses, eager_losses)
-    if kwargs.get("dtype") == "fp16":
-        replayed = losses[3:]  # after the 2 eager steps and the capture's
-        assert set(replayed[:, 2].tolist()) == {0.0, 1.0}, "steps skipped and taken, replayed"
-        assert len(set(replayed[:, 1].tolist())) >= 3, "the scale grown and backed off"
+    _, weights, eager_weights = _eager_and_replayed(level=level, clip=None, fused_update=True)
     assert all(torch.equal(a, b) for a, b in zip(weights, eager_weights, strict=True))
 
 
