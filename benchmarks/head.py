@@ -159,13 +159,20 @@ def largest_class_count(
     start: int,
     tolerance: float = 0.01,
     deadline: float | None = None,
+    memory_bytes: int | None = None,
 ) -> tuple[int, list[dict]]:
-    """The largest classes per rank for which one step of `case` runs: doubling from
-    `start`, then bisection to `tolerance` of it; every try in fresh processes. With a
-    `deadline` (time.monotonic()), the search stops when no time is left for a try: the
-    count found so far is returned, and the tries say where it stopped. Returns (count,
+    """The largest classes per rank for which one step of `case` runs, to `tolerance` of
+    it; every try in fresh processes. Without `memory_bytes`: doubling from `start`, then
+    bisection. With it (the device's memory), a first try that fits at `start` predicts the
+    boundary - the step's peak grows with the classes, in proportion where the class rows
+    and their optimizer state fill the memory - and the search tries just below the
+    prediction and one `tolerance` step to the side the answer says: where the prediction
+    holds, 3 tries in all; where it does not, doubling and bisection from what they found.
+    With a `deadline` (time.monotonic()), the search stops when no time is left for a try:
+    the count found so far is returned, and the tries say where it stopped. Returns (count,
     tries)."""
     tries: list[dict] = []
+    peaks: dict[int, int] = {}
 
     def fits(num_local: int) -> bool | None:  # None: out of time, nothing learnt
         limit = timeout_s if deadline is None else min(timeout_s, deadline - time.monotonic())
@@ -179,11 +186,35 @@ def largest_class_count(
         tries.append({"classes_per_rank": num_local, "error": result.get("error")})
         outcome = result.get("error") or "fits"
         print(f"  {num_local:,} classes per rank: {outcome}", file=sys.stderr)
-        return "error" not in result
+        if "error" in result:
+            return False
+        peaks[num_local] = result.get("peak_bytes_max") or 0
+        return True
 
     low, high = 0, start
-    while ok := fits(high):
+    ok = fits(start)  # True while the search grows (doubling); None: out of time
+    if ok and memory_bytes and peaks[start] > 0:
+        # Proportional, so a little high (the peak's fixed part, the CUDA context's memory):
+        # the guess is half a tolerance below the prediction.
+        guess = max(start, int(start * memory_bytes / peaks[start] * (1 - tolerance / 2)))
+        fits_guess = fits(guess) if guess > start else True
+        low, high, ok = start, guess, None if fits_guess is None else False
+        if fits_guess:  # one step up: the bracket is then one tolerance wide
+            low, high = guess, guess + max(1, int(guess * tolerance))
+            ok = fits(high)  # fits too: the prediction was low, growing on from there
+        elif fits_guess is not None:  # one step down, as wide
+            below = guess - int(guess * tolerance / (1 + tolerance))
+            if below > start:
+                fits_below = fits(below)
+                if fits_below is None:
+                    ok = None
+                elif fits_below:
+                    low = below
+                else:
+                    high = below
+    while ok:
         low, high = high, high * 2
+        ok = fits(high)
     while ok is not None and high - low > max(1, int(low * tolerance)):
         middle = (low + high) // 2
         ok = fits(middle)

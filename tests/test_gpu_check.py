@@ -813,3 +813,55 @@ def test_the_model_only_measurement_captures_the_step_with_train_cuda_graphs(tmp
         ]
     assert [r["cuda_graphs"] for r in results] == [0, 1]
     assert all(r["images_per_s"] > 0 for r in results)
+
+
+# Devices for the search of the largest class count: (memory, fixed bytes of a step's peak,
+# bytes per class, bytes the peak does not show: the CUDA context, fragmentation; the tries
+# the search takes with the memory known, where its prediction holds).
+SEARCH_DEVICES = {
+    "like the H200 (weight and momentum fill it)": (150e9, 1e9, 4096, 0.7e9, 3),
+    "a part the peak misses (predicted a little high)": (80e9, 1e9, 4096, 1.5e9, 3),
+    "memory that grows faster than the first try shows (predicted low)": (80e9, -20e9, 4096, 0, 3),
+    "a large fixed part (the first try fails)": (80e9, 30e9, 4096, 0.5e9, None),
+    "a large part the peak misses (the first try fails)": (80e9, 1e9, 4096, 20e9, None),
+}
+
+
+@pytest.mark.parametrize("device", list(SEARCH_DEVICES))
+def test_the_largest_class_count_search_brackets_the_boundary(monkeypatch, device):
+    """benchmarks/head.py's search on a simulated device (a step fits while its peak,
+    fixed + per class x classes, fits beside what the peak does not show): the count found
+    fits, and one tolerance above it does not; started from 85 % of the memory as the GPU
+    check starts it. Where the first try's peak predicts the boundary within a tolerance or
+    two, the search takes 3 tries (the GPU check's search on the H200 took 8 by doubling
+    and bisection, as it still does without the memory); elsewhere it finds the boundary
+    all the same."""
+    from benchmarks import head
+    from benchmarks.head_methods import Case
+
+    memory, fixed, per_class, hidden, expected_tries = SEARCH_DEVICES[device]
+
+    def peak(classes: int) -> float:
+        return max(fixed + per_class * classes, per_class * classes)
+
+    def run_case(case, timeout_s):
+        if peak(case.num_classes) + hidden > memory:
+            return {**vars(case), "error": "torch.OutOfMemoryError: CUDA out of memory."}
+        return {**vars(case), "peak_bytes_max": int(peak(case.num_classes))}
+
+    monkeypatch.setattr(head, "run_case", run_case)
+    case = Case("sharded-chunked", 1, 0, 1024, 512, 65_536, 1, 0, 1, "cuda", "bfloat16",
+                "triton", True)  # fmt: skip
+    start, tolerance = int(0.85 * memory / (8 * 512)), 0.02
+    boundary = next(c for c in range(int(memory // per_class), 0, -1)
+                    if peak(c) + hidden <= memory)  # fmt: skip
+    tries_taken = {}
+    for memory_bytes in (int(memory), None):
+        found, tries = head.largest_class_count(case, 60.0, start, tolerance,
+                                                memory_bytes=memory_bytes)  # fmt: skip
+        assert found <= boundary < found + max(1, int(found * tolerance)), (found, boundary)
+        assert all((t["error"] is None) == (t["classes_per_rank"] <= boundary) for t in tries)
+        tries_taken[memory_bytes is not None] = len(tries)
+    if expected_tries is not None:
+        assert tries_taken[True] == expected_tries, tries_taken
+        assert tries_taken[False] >= 6, tries_taken
