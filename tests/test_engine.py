@@ -461,6 +461,38 @@ def test_compiling_by_blocks_compiles_each_kind_of_block_once():
     assert isinstance(compile_model(plain, cfg, torch.device("cpu")), torch._dynamo.OptimizedModule)
 
 
+def test_blocks_are_compiled_with_static_shapes():
+    """train.compile_scope=blocks: each kind of block's graph has the sizes it runs at, also
+    the kinds after the first (whose other sizes Dynamo would otherwise compile with
+    symbolic sizes, which Inductor's convolution lowering specialises back: slower to
+    compile). Seen by a backend that records the graphs' inputs."""
+    import torch._dynamo
+
+    from recognition.config import load_config
+    from recognition.models import build_backbone
+    from recognition.training.build import compile_model
+
+    graphs = []
+
+    def recording(gm, example_inputs):
+        # What each input of the graph is while traced: a tensor's sizes, or a size itself.
+        values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        graphs.append([tuple(v.shape) if isinstance(v, torch.Tensor) else (v,) for v in values])
+        return gm.forward
+
+    cfg = load_config("default", ["train.compile=true", "train.compile_scope=blocks"])
+    cfg.train.compile_backend = recording  # a callable backend, as torch.compile takes one
+    torch.manual_seed(0)
+    model = build_backbone("iresnet34", image_size=32, embedding_size=16, width=0.125)
+    torch._dynamo.reset()
+    compile_model(model, cfg, torch.device("cpu"))
+    with torch.no_grad():
+        model(torch.randn(4, 3, 32, 32))
+    assert len(graphs) == 8
+    symbolic = [s for shapes in graphs for shape in shapes for s in shape if not isinstance(s, int)]
+    assert symbolic == [], graphs
+
+
 def test_training_uses_one_loader_iterator_across_epochs(image_folder, tmp_path, monkeypatch):
     """The loop never re-creates the DataLoader iterator at an epoch boundary, so its
     workers keep loading ahead into the next epoch."""
