@@ -530,6 +530,35 @@ def test_partial_fc_keeps_every_positive_when_they_outnumber_the_sample():
     assert head.sampled_index.tolist() == labels.tolist()
 
 
+def test_partial_fc_sample_without_host_reads_is_the_counted_one(monkeypatch):
+    """Where the sample holds every positive the batch can have, the positives are raised by
+    a scatter and num_sample classes kept (nothing read on the host): the same rows as
+    counting the positives (`torch.unique`) gives, with duplicate labels and labels other
+    ranks own (-1); and the optimizer then steps those rows as they are."""
+    from recognition.heads.partial_fc import RowSampler
+
+    generator = torch.Generator().manual_seed(26)
+    for trial in range(20):
+        num_local, num_rows = 30, 12
+        num_sample = num_rows + trial % 3  # >= the rows: every positive fits
+        target_row = torch.randint(-1, num_local, (num_rows,), generator=generator)
+        target_row[:3] = target_row[3]  # duplicates
+        owned = target_row >= 0
+        fixed, counted = (RowSampler(0, num_local, num_sample, seed=trial) for _ in range(2))
+        assert fixed.fixed_count(num_rows)
+        rows = fixed.sample(target_row, owned, gradient_dropped=True)
+        with monkeypatch.context() as patch:
+            patch.setattr(counted, "fixed_count", lambda num_rows: False)
+            expected = counted.sample(target_row, owned, gradient_dropped=True)
+        assert torch.equal(rows, expected), trial
+        assert torch.isin(target_row[owned], rows).all() and rows.numel() == num_sample
+        assert fixed._rows_to_update() is rows
+        assert torch.equal(counted._rows_to_update(), expected)  # via the mask's nonzero
+    assert not RowSampler(0, 30, 11, seed=0).fixed_count(12)
+    assert RowSampler(0, 10, 9, seed=0).fixed_count(12) is False  # 9 < min(12, 10)
+    assert RowSampler(0, 10, 10, seed=0).fixed_count(12)
+
+
 def test_partial_fc_sampling_is_reproducible_and_roughly_uniform():
     def sampled_sets(seed, steps):
         head = ShardedMarginSoftmax(200, 4, CosFace(), sample_rate=0.2, seed=seed)

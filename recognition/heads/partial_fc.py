@@ -10,10 +10,16 @@ counts sampled forwards and is part of a checkpoint.
 
 Unsampled rows get a zero gradient, and `RowSampler.attach_optimizer` makes the optimizer
 leave them alone altogether: no momentum, no weight decay, no update of their optimizer
-state. Partial FC synchronises with the host every step, where the rest of the training step
-does not: the positives (`torch.unique`), the number of classes kept (a top-k of a
-data-dependent size) and the rows the optimizer steps (`nonzero`) have sizes only the data
-decide.
+state.
+
+Nothing is read on the host where the sample holds every positive the batch can have
+(num_sample >= the global batch's rows, or the rank's classes): then it keeps num_sample
+classes whatever the labels, the positives are raised above the others by a scatter, and
+the optimizer steps the forward's sorted rows. Otherwise partial FC synchronises with the
+host every step, where the rest of the training step does not: the positives
+(`torch.unique`) and the number of classes kept (a top-k of a data-dependent size) have
+sizes only the data decide; so do the rows the optimizer steps (`nonzero`) when several
+forwards (micro-batches) make one step, the union of their samples.
 """
 
 from __future__ import annotations
@@ -68,41 +74,56 @@ class RowSampler:
         self.class_start, self.num_local, self.num_sample = class_start, num_local, num_sample
         self.seed = seed
         self.sampling_step = 0
-        # Rows sampled since the optimizer's last step (bool (num_local,)).
-        self.rows_to_update: Tensor | None = None
-        self.most_rows_to_update = 0  # how many rows rows_to_update can hold at most
+        # The sorted rows of each forward since the optimizer's last step (the rows it
+        # steps are their union), and whether there is one, of num_sample rows whatever the
+        # labels (`fixed_count`): then the optimizer steps them as they are.
+        self.step_rows: list[Tensor] | None = None
+        self.step_rows_fixed = False
+        self.most_rows_to_update = 0  # how many rows their union can hold at most
         self.in_accumulation = False  # inside accumulating(): every forward is the same step's
+
+    def fixed_count(self, num_rows: int) -> bool:
+        """Whether a forward over a global batch of `num_rows` rows keeps num_sample classes
+        whatever its labels: the sample holds every positive the batch can have."""
+        return self.num_sample >= min(num_rows, self.num_local)
 
     def sample(self, target_row: Tensor, owned: Tensor, gradient_dropped: bool) -> Tensor:
         """Local rows (K,) sorted that take part this step: positives plus random others.
         `gradient_dropped`: the rows' gradient is None (zero_grad), so, outside
         `accumulating`, a new optimizer step begins."""
-        positives = torch.unique(target_row[owned])  # sorted
-        # On the run planner's fake tensors the count depends on data it has not: its
-        # largest (every row of the batch a distinct positive) is planned.
-        torch._check(positives.numel() <= min(target_row.numel(), self.num_local))
-        num_keep = max(upper_bound(positives.numel()), self.num_sample)
         key = sampling_key(self.seed, self.sampling_step)
         self.sampling_step += 1
         priority = class_priority(self.class_start, self.num_local, key, target_row.device)
-        priority[positives] = MAX_CLASSES  # above every hash value: positives come first
+        fixed = self.fixed_count(target_row.numel())
+        if fixed:
+            # Positives above every hash value, by a scatter (rows of other ranks' labels
+            # leave their slot as it is): nothing read on the host.
+            raised = torch.where(owned, MAX_CLASSES, 0)
+            priority.scatter_reduce_(0, target_row.clamp(min=0), raised, "amax")
+            num_keep = self.num_sample
+        else:
+            positives = torch.unique(target_row[owned])  # sorted
+            # On the run planner's fake tensors the count depends on data it has not: its
+            # largest (every row of the batch a distinct positive) is planned.
+            torch._check(positives.numel() <= min(target_row.numel(), self.num_local))
+            num_keep = max(upper_bound(positives.numel()), self.num_sample)
+            priority[positives] = MAX_CLASSES  # above every hash value: positives come first
         row_index = torch.topk(priority, num_keep, sorted=False).indices.sort().values
         # A new accumulation cycle starts when the gradients were dropped (zero_grad sets them
         # to None); within one, every micro-batch's rows are updated at the step.
-        sampled = torch.zeros(self.num_local, dtype=torch.bool, device=row_index.device)
-        sampled[row_index] = True
-        if self.rows_to_update is None or (gradient_dropped and not self.in_accumulation):
-            self.rows_to_update = sampled
+        if self.step_rows is None or (gradient_dropped and not self.in_accumulation):
+            self.step_rows, self.step_rows_fixed = [row_index], fixed
             self.most_rows_to_update = num_keep
         else:
-            self.rows_to_update |= sampled
+            self.step_rows.append(row_index)
+            self.step_rows_fixed = False
             self.most_rows_to_update = min(self.num_local, self.most_rows_to_update + num_keep)
         return row_index
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
         """Forwards inside belong to one optimizer step (see the head's `accumulating`)."""
-        self.rows_to_update = None
+        self.step_rows = None
         self.in_accumulation = True
         try:
             yield
@@ -122,16 +143,9 @@ class RowSampler:
         swapped: dict[str, Any] = {}
 
         def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            mask = self.rows_to_update
-            # A fake mask (the run planner's) has no value to read: it plans the swap.
-            if mask is None or (not is_fake(mask) and bool(mask.all())):
+            rows = self._rows_to_update()
+            if rows is None:
                 return
-            rows = mask.nonzero()
-            # The planner's fake count is bounded by this (the real one always is), checked
-            # before any other op: the planner counts a size that depends on data at its
-            # bound at the next op, which would otherwise be every row of the mask.
-            torch._check(rows.shape[0] <= self.most_rows_to_update)
-            rows = rows.squeeze(1)
             state = opt.state[target]
             full_state = {
                 name: value
@@ -146,7 +160,7 @@ class RowSampler:
                 state[name] = value[rows]
 
         def after_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            self.rows_to_update = None
+            self.step_rows = None
             if swapped:
                 _restore_rows(opt, target, swapped)
                 swapped.clear()
@@ -155,6 +169,26 @@ class RowSampler:
             optimizer.register_step_pre_hook(before_step),
             optimizer.register_step_post_hook(after_step),
         ]
+
+    def _rows_to_update(self) -> Tensor | None:
+        """The sorted rows the optimizer steps (those sampled since its last step), or None
+        when there is nothing to swap (no forward, or every row sampled)."""
+        if self.step_rows is None:
+            return None
+        if self.step_rows_fixed:  # one forward's num_sample rows, as they are
+            return self.step_rows[0]
+        mask = torch.zeros(self.num_local, dtype=torch.bool, device=self.step_rows[0].device)
+        for rows in self.step_rows:
+            mask[rows] = True
+        # A fake mask (the run planner's) has no value to read: it plans the swap.
+        if not is_fake(mask) and bool(mask.all()):
+            return None
+        rows = mask.nonzero()
+        # The planner's fake count is bounded by this (the real one always is), checked
+        # before any other op: the planner counts a size that depends on data at its bound
+        # at the next op, which would otherwise be every row of the mask.
+        torch._check(rows.shape[0] <= self.most_rows_to_update)
+        return rows.squeeze(1)
 
 
 def _restore_rows(opt: torch.optim.Optimizer, target: Tensor, swapped: dict[str, Any]) -> None:

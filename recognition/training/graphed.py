@@ -22,8 +22,9 @@ What a replay does not do: run Python. So the step must read nothing on the host
 branch on no tensor's value (the training step does neither, `recognition.training.step`)
 and every per-step value must live in a tensor. Where that does not hold, the first call
 says why in one line (`refusal`) and every step runs eagerly: not on a GPU; several
-processes (DDP's gradient hooks are not captured here); partial FC (the sampled classes'
-count is data-dependent); an optimizer without a fused kernel (its skipped steps are read
+processes (DDP's gradient hooks are not captured here); partial FC (each step's sample is
+drawn from a step counter the host keeps, and its size may depend on the labels); an
+optimizer without a fused kernel (its skipped steps are read
 on the host). A pipelined backbone's step is not wrapped (its schedule sends between
 ranks), and the config refuses train.compile_mode=reduce-overhead beside it, which makes
 graphs of its own. head.fused_update is captured too: its kernel reads the rate from the
@@ -293,7 +294,10 @@ def refusal(
     if world_size > 1:
         return "several processes (DDP's gradient all-reduce is not captured here)"
     if getattr(head, "sample_rate", 1.0) < 1:
-        return "partial FC (head.sample_rate < 1: the sampled classes' count is data-dependent)"
+        return (
+            "partial FC (head.sample_rate < 1: each step's sample is drawn from a step counter "
+            "the host keeps)"
+        )
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return "the optimizer has no fused kernel (its skipped steps are read on the host)"
     return None

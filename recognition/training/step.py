@@ -8,7 +8,9 @@ The step launches no host synchronisation: it reads no tensor value on the host 
 branches on none. A non-finite loss or gradient norm is handled on the device (the
 optimizer's update is masked, see `recognition.precision`), and the `StepResult` holds
 device tensors that the log window reads at its interval. What still synchronises, and why:
-partial FC (`head.sample_rate` < 1: the sampled classes' count is data-dependent).
+partial FC (`head.sample_rate` < 1) whose sample is smaller than a batch's positives can be,
+or that several micro-batches share (the sampled classes' count is data-dependent; see
+`recognition.heads.partial_fc`).
 `head.fused_update` steps the head's rows inside backward: the loss's finiteness gates that
 update on the device (`gate_update`).
 """
