@@ -370,7 +370,10 @@ def test_steady_state_steps_do_not_sync_on_two_ranks(image_folder, tmp_path, lay
 # this suite interprets the kernels (conftest.py sets TRITON_INTERPRET=1, read once, at
 # triton's import), and interpreted kernels read their arguments on the host.
 CUDA_CASES = {
-    **{name: CASES[name] for name in ("O1-bf16-clip-sgd", "O0-noclip-adamw-accumulate")},
+    **{
+        name: CASES[name]
+        for name in ("O1-bf16-clip-sgd", "O0-noclip-adamw-accumulate", "O1-bf16-partial-fc")
+    },
     "O1-bf16-triton-fused-update": (
         "precision.level=O1",
         "precision.dtype=bf16",
