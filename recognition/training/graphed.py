@@ -24,9 +24,8 @@ and every per-step value must live in a tensor. Where that does not hold, the fi
 says why in one line (`refusal`) and every step runs eagerly: not on a GPU; several
 processes (DDP's gradient hooks are not captured here); partial FC (each step's sample is
 drawn from a step counter the host keeps, and its size may depend on the labels); an
-optimizer without a fused kernel (its skipped steps are read
-on the host). A pipelined backbone's step is not wrapped (its schedule sends between
-ranks), and the config refuses train.compile_mode=reduce-overhead beside it, which makes
+optimizer without a fused kernel (its skipped steps are read on the host). A pipelined
+backbone's step is not wrapped (its schedule sends between ranks), and the config refuses train.compile_mode=reduce-overhead beside it, which makes
 graphs of its own. head.fused_update is captured too: its kernel reads the rate from the
 device tensor it is handed while the step is captured. A capture that fails anyway stops
 the run with the cause and the setting that turns it off (`GraphCaptureError`).
