@@ -25,10 +25,11 @@ says why in one line (`refusal`) and every step runs eagerly: not on a GPU; seve
 processes (DDP's gradient hooks are not captured here); partial FC (each step's sample is
 drawn from a step counter the host keeps, and its size may depend on the labels); an
 optimizer without a fused kernel (its skipped steps are read on the host). A pipelined
-backbone's step is not wrapped (its schedule sends between ranks), and the config refuses train.compile_mode=reduce-overhead beside it, which makes
-graphs of its own. head.fused_update is captured too: its kernel reads the rate from the
-device tensor it is handed while the step is captured. A capture that fails anyway stops
-the run with the cause and the setting that turns it off (`GraphCaptureError`).
+backbone's step is not wrapped (its schedule sends between ranks), and the config refuses
+train.compile_mode=reduce-overhead beside it, which makes graphs of its own.
+head.fused_update is captured too: its kernel reads the rate from the device tensor it is
+handed while the step is captured. A capture that fails anyway stops the run with the cause
+and the setting that turns it off (`GraphCaptureError`).
 
 `graph` makes the graph: `CudaGraph` (torch.cuda.CUDAGraph) by default; a test can pass
 a stand-in that records aten operations on a CPU and replays them with their captured
