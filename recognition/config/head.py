@@ -48,7 +48,9 @@ class HeadConfig:
     of its own classes). Needs train.init_backbone; a resumed run takes its rows from the
     checkpoint."""
     sample_rate: float = 1.0
-    """Fraction of the negative classes each rank samples per step (Partial FC)."""
+    """Fraction of the negative classes each rank samples per step (Partial FC). Where the
+    sample (sample_rate x the rank's classes) is at least the global batch, a step reads
+    nothing on the host; a smaller one is read every step (its positives are counted)."""
     chunk_size: int | None = None
     """Classes per logit chunk, recomputed in backward (memory O(batch x chunk_size));
     null keeps the logits of the whole shard for backward (faster, memory O(batch x
