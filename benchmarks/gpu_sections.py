@@ -354,7 +354,7 @@ def section_training(run: SectionRun) -> None:
 SECTIONS: dict[str, Callable[[SectionRun], None]] = {
     "tests": section_tests,
     "head": section_head,
-    "throughput": section_throughput,
-    "multi_gpu": section_multi_gpu,
     "training": section_training,
+    "multi_gpu": section_multi_gpu,
+    "throughput": section_throughput,
 }

@@ -95,7 +95,7 @@ def test_a_section_with_a_failed_row_fails_and_one_without_is_ok(tmp_path):
 
 
 def test_section_limits_carry_unused_time_forward_and_leave_the_later_their_limits():
-    later = [160.0, 100.0]
+    later = [100.0, 160.0]
     assert gpu_check.section_timeout(150, 410, later) == 150  # the plan, to the second
     # An earlier section that used 58 s less leaves them to this one, not to nobody.
     assert gpu_check.section_timeout(150, 468, later) == 208
@@ -109,7 +109,7 @@ def test_section_limits_carry_unused_time_forward_and_leave_the_later_their_limi
 
 
 def test_the_sections_run_with_the_time_the_ones_before_left(monkeypatch, tmp_path):
-    """Three sections of a 300 s smoke budget (limits 90, 90, 60), each done in 10 s:
+    """Three sections of a 300 s smoke budget (limits 90, 60, 90), each done in 10 s:
     each may use all but the later ones' limits (the first 150 s), so the time one leaves
     goes to the next; the last gets all that is left."""
     clock = [0.0]
@@ -125,8 +125,8 @@ def test_the_sections_run_with_the_time_the_ones_before_left(monkeypatch, tmp_pa
     monkeypatch.setattr(gpu_check, "run_section", run_section)
     args = SimpleNamespace(budget=300.0, smoke=True, only=["head", "throughput", "training"])
     gpu_check.run_all(args, info, tmp_path, start=0.0)
-    # smoke limits: head 90, throughput 90, training 60
-    assert limits == {"head": 300 - 150, "throughput": 290 - 60, "training": 280}
+    # smoke limits: head 90, training 60, throughput 90 (in that order)
+    assert limits == {"head": 300 - 150, "training": 290 - 90, "throughput": 280}
 
 
 def test_the_head_benchmark_draws_the_class_rows_on_its_device(monkeypatch):
@@ -228,9 +228,9 @@ def test_the_table_has_a_row_per_measurement_and_says_why_a_section_is_missing()
         "| head | triton, 1,000,000 classes | 61 % of mm | >= 50 % of mm | met |",
         "| head | torch, 1,000,000 classes | a\\|b |  | ok |",
         "| head | largest | 15,000,000 | >= 16,000,000 | missed |",
-        "| throughput | - | why throughput | | skipped |",
-        "| multi_gpu | - | why multi_gpu | | skipped |",
         "| training | (section) | killed at 100 s | | timed out |",
+        "| multi_gpu | - | why multi_gpu | | skipped |",
+        "| throughput | - | why throughput | | skipped |",
     ]
 
 
