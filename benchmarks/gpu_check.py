@@ -5,8 +5,9 @@
     python -m benchmarks.gpu_check --only head training  # some sections (the others: skipped)
     python -m benchmarks.gpu_check --smoke               # on a CPU: tiny sizes, about a minute
 
-Sections, in order of value (benchmarks/gpu_sections.py measures them, and
-benchmarks/gpu_throughput.py the throughput):
+Sections, in the order they run (benchmarks/gpu_sections.py measures them, and
+benchmarks/gpu_throughput.py the throughput; the slowest rows, the throughput section's
+cold compiles, last):
 
 1. tests       the suite's CUDA tests (`pytest -m cuda`: helpers.needs_cuda), `auto` meaning
                the GPU inside them, the steady-state steps under
@@ -16,18 +17,18 @@ benchmarks/gpu_throughput.py the throughput):
                and triton with the fused update, ms per step, % of a same-size matmul, peak
                memory (benchmarks/head.py), the largest class count the fused update fits,
                and the tiles the kernels chose by timing;
-3. throughput  IResNet-50, 112 px, batch 256, bf16, channels-last: model-only images/s eager
+3. training    `python train.py` of the default config at 112 px on the GPU, to its
+               verification accuracy (and the kernel head.kernel=auto chose), and the
+               seconds from its last line to its process's end;
+4. multi_gpu   with 2 GPUs: a DDP run with SyncBN and a 2-stage pipeline run
+               (benchmarks/train_scaling.py's run_one); skipped, and said so, on one;
+5. throughput  IResNet-50, 112 px, batch 256, bf16, channels-last: model-only images/s eager
                (and MobileFaceNet mbf's and ViT vit_b's in the same setting), its memory
                plan, the aten operations of its step counted on the CPU
                (benchmarks/step_ops.py), the data.augment=face batch on the device
                (augment_batch) against the model's step, end to end from a JPEG folder it
                generates with data.decode cpu and gpu, and compiled last: whole, by
-               blocks, and with CUDA graphs (benchmarks/train_throughput.py);
-4. multi_gpu   with 2 GPUs: a DDP run with SyncBN and a 2-stage pipeline run
-               (benchmarks/train_scaling.py's run_one); skipped, and said so, on one;
-5. training    `python train.py` of the default config at 112 px on the GPU, to its
-               verification accuracy (and the kernel head.kernel=auto chose), and the
-               seconds from its last line to its process's end.
+               blocks, and with CUDA graphs (benchmarks/train_throughput.py).
 
 Each section runs as `python -m benchmarks.gpu_check --section NAME` in a process group of
 its own, killed at its time limit, so that a hang or a crashed CUDA context in one cannot
