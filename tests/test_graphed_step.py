@@ -142,6 +142,49 @@ def test_the_triton_head_with_its_fused_update_replays_its_eager_steps(level):
     assert all(torch.equal(a, b) for a, b in zip(weights, eager_weights, strict=True))
 
 
+def test_every_kernel_variant_the_capture_launches_was_launched_before_it(monkeypatch):
+    """A capture cannot compile or load a kernel, and on a GPU the first launch of a Triton
+    variant does both: the eager steps before it launch every variant of the head's kernels
+    that the capture launches - the fused update reading its rate from a device tensor
+    included - with the same constants and the same kinds of arguments."""
+    import importlib
+
+    from graph_tape import LAUNCHING_MODULES
+
+    state = {"capturing": False, "captured": False, "warm-up": set(), "capture": set()}
+
+    def variant(kernel, args, kwargs) -> tuple:
+        kinds = tuple(str(a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__
+                      for a in args)  # fmt: skip
+        return getattr(kernel, "__name__", str(kernel)), kinds, tuple(sorted(kwargs.items()))
+
+    for name in LAUNCHING_MODULES:
+        module = importlib.import_module(name)
+
+        def launch(kernel, grid, *args, _original=module.launch, **kwargs):
+            if not state["captured"]:  # the replays relaunch through here too
+                phase = "capture" if state["capturing"] else "warm-up"
+                state[phase].add(variant(kernel, args, kwargs))
+            return _original(kernel, grid, *args, **kwargs)
+
+        monkeypatch.setattr(module, "launch", launch)
+
+    class FlaggedTape(TapeGraph):
+        @contextlib.contextmanager
+        def capture(self):
+            state["capturing"] = True
+            try:
+                with super().capture():
+                    yield
+            finally:
+                state["capturing"], state["captured"] = False, True
+
+    graphed_step = GraphedStep(train_step, warmup=2, graph=FlaggedTape)
+    _train(graphed_step, torch.device("cpu"), level="O1", clip=None, fused_update=True)
+    assert graphed_step.captures == 1 and state["capture"]
+    assert state["capture"] <= state["warm-up"], state["capture"] - state["warm-up"]
+
+
 def test_the_stand_in_freezes_what_python_held_at_capture(monkeypatch):
     """The check has teeth: with the learning rates left as floats, the replayed steps keep
     the capture's rate, as a CUDA graph would, and drift from the eager ones."""

@@ -167,7 +167,10 @@ class GraphedStep:
         args = (backbone, head, micro_batches, optimizer, precision, max_grad_norm)
         if self._graph is None and self._eager_steps < self._warmup:
             self._eager_steps += 1
-            with _side_stream(micro_batches):
+            # With the rates in the device tensors the capture reads: every kernel variant
+            # the capture launches (the head's fused update reading its rate from memory is
+            # one of its own) is then compiled and loaded here; a capture can do neither.
+            with _side_stream(micro_batches), _tensor_lrs(optimizer, self._rates(optimizer)):
                 return self._step(*args)
         if self._graph is None:
             self._capture(args)
@@ -178,13 +181,13 @@ class GraphedStep:
         backbone, head, micro_batches, optimizer, precision, max_grad_norm = args
         # Outside the graph's memory: the step reads them and the replays refill them.
         self._static = [tuple(t.clone() for t in batch) for batch in micro_batches]
-        self._lrs = [_lr_tensor(group["lr"], _device_of(group)) for group in optimizer.param_groups]
         # The last eager step's gradients go now, so that the capture (which first hands the
         # allocator's free blocks back) does not hold them beside the graph's own.
         precision.zero_grad(optimizer)
         graph = self._make_graph()
         try:
-            with _tensor_lrs(optimizer, self._lrs), _uncached(precision), graph.capture():
+            lrs = self._rates(optimizer)
+            with _tensor_lrs(optimizer, lrs), _uncached(precision), graph.capture():
                 result = self._step(
                     backbone, head, self._static, optimizer, precision, max_grad_norm
                 )
@@ -205,12 +208,20 @@ class GraphedStep:
             for into, tensor in zip(static, batch, strict=True):
                 if into is not tensor:
                     into.copy_(tensor, non_blocking=True)
-        # The schedule's rates, as the eager step would read them (a fill: no host copy).
-        for lr, group in zip(self._lrs, optimizer.param_groups, strict=True):
-            lr.fill_(group["lr"])
+        self._rates(optimizer)
         self._graph.replay()
         self.replays += 1
         return _copied(self._result)
+
+    def _rates(self, optimizer: torch.optim.Optimizer) -> list[Tensor]:
+        """The device tensors the optimizer's groups read their rates from in the captured
+        step (made at the first warm-up step of each kind), holding the schedule's rates
+        now, as the eager step would read them (a fill: no host copy)."""
+        if not self._lrs:
+            self._lrs = [_lr_tensor(g["lr"], _device_of(g)) for g in optimizer.param_groups]
+        for lr, group in zip(self._lrs, optimizer.param_groups, strict=True):
+            lr.fill_(group["lr"])
+        return self._lrs
 
 
 def _copied(result: StepResult) -> StepResult:
