@@ -127,11 +127,14 @@ def head_plan(run: SectionRun) -> HeadPlan:
 
 
 # Kept back for each head case still to come: a case's time grows with its class count
-# (drawing the rows, the steps, the matmul it is compared with: 10M took tens of seconds on
-# an H200, 1M a few), so a 10M case is not left the seconds a 1M case needs.
+# (drawing the rows, the steps, the matmul it is compared with). Measured on an H200: 10.4
+# to 16.5 s a case at 10M classes, the process's start and the first tuning included.
 CASE_RESERVE_S = 4.0
-CASE_RESERVE_PER_MILLION_S = 2.5
-SEARCH_RESERVE_S = 30.0  # and for the search of the largest class count
+CASE_RESERVE_PER_MILLION_S = 1.2
+# Kept back for the rows after the cases: the phase rows start with 45 s left (they took 13 s
+# on the H200) and leave the search of the largest class count the rest (35 s there).
+TAIL_RESERVE_S = 45.0
+MIN_CASE_S = 10.0
 
 
 def case_reserve(num_classes: int) -> float:
@@ -139,13 +142,28 @@ def case_reserve(num_classes: int) -> float:
     return CASE_RESERVE_S + CASE_RESERVE_PER_MILLION_S * num_classes / 1e6
 
 
-HEAD_VARIANTS = (  # most valuable first: the Triton kernel, torch, the fused update, the
-    # fused update recomputing its logits in chunks (head.chunk_size): whether keeping them
-    # pays at each class count, side by side; and the fused update's step captured in a CUDA
-    # graph (train.cuda_graphs' way): what the host's launches (about 6 per chunk) cost it
+def case_budget(left_s: float, later_cases_s: float, tail_s: float) -> float | None:
+    """A head case's seconds, `left_s` left in the section: what the cases after it
+    (`later_cases_s` kept back for them) and the rows after the cases (`tail_s`) do not need,
+    or, where that is under MIN_CASE_S, what the rows after the cases do not need: the cases
+    run most valuable first, so a later case gives up its time before this one does (the
+    H200's check skipped every 1M case to keep 10M cases' time it never needed). None: too
+    little for any case."""
+    budget = left_s - later_cases_s - tail_s
+    if budget < MIN_CASE_S:
+        budget = left_s - tail_s
+    return budget if budget >= MIN_CASE_S else None
+
+
+HEAD_VARIANTS = (  # most valuable first (a section short of time skips the last): the
+    # fused update (the training step's head, the one with targets at 1M and 10M), the Triton
+    # kernel, torch (the speed-ups' reference), the fused update recomputing its logits in
+    # chunks (head.chunk_size: whether keeping them pays at each class count) and the fused
+    # update's step captured in a CUDA graph (train.cuda_graphs' way: what the host's
+    # launches, about 6 per chunk, cost it)
+    ("triton + fused update", "sharded", True),
     ("triton", "sharded", False),
     ("torch", "sharded-chunked", False),
-    ("triton + fused update", "sharded", True),
     ("triton + fused update, recomputed", "sharded-chunked", True),
     ("triton + fused update, captured", "sharded", True),
 )
@@ -167,11 +185,11 @@ def section_head(run: SectionRun) -> None:
         if captured and not run.gpu:
             run.skip(what, "on a GPU only (CUDA graphs)")
             continue
-        # What is left, less a share kept for the cases and the search after this one (the
-        # first Triton case also times the kernels' tiles: tens of seconds, once).
+        # What is left, less a share kept for the cases after this one and for the phase rows
+        # and the search (the first Triton case also times the kernels' tiles, once).
         later = sum(case_reserve(c) for c, _ in cases[index + 1 :])
-        budget = run.time_left() - later - (0 if run.smoke else SEARCH_RESERVE_S)
-        if budget < 10:
+        budget = case_budget(run.time_left(), later, 0 if run.smoke else TAIL_RESERVE_S)
+        if budget is None:
             run.skip(what, "no time left in the section")
             continue
         result = head.run_case(case, budget)

@@ -865,3 +865,50 @@ def test_the_largest_class_count_search_brackets_the_boundary(monkeypatch, devic
     if expected_tries is not None:
         assert tries_taken[True] == expected_tries, tries_taken
         assert tries_taken[False] >= 6, tries_taken
+
+
+@pytest.mark.parametrize(
+    ("section_s", "skipped"),
+    [
+        # The H200's head section had 178 s; its cases took 10-17 s at 10M classes.
+        (178.0, set()),
+        # Short of time, the 1M cases (the issue's targets) run and 10M cases give way.
+        (110.0, {"torch, 10,000,000 classes", "triton + fused update, recomputed, 10,000,000 classes",
+                 "triton + fused update, captured, 10,000,000 classes"}),
+    ],
+)  # fmt: skip
+def test_head_cases_run_most_valuable_first_and_leave_the_tail_its_time(
+    monkeypatch, tmp_path, section_s, skipped
+):
+    """On a GPU's clock (simulated: each case takes what it took on the H200), no 1M case is
+    skipped to keep time for 10M cases, and the phase rows and the search after the cases
+    find the time they need to start."""
+    from benchmarks import head, head_phases
+
+    clock = [0.0]
+
+    class Run(gpu_sections.SectionRun):
+        def time_left(self) -> float:
+            return self.deadline - clock[0]
+
+    def run_case(case, timeout_s):
+        took = 6.0 if case.num_classes < 5_000_000 else 16.0
+        assert took <= timeout_s, (case, timeout_s)
+        clock[0] += took
+        return {**vars(case), "step_s": 0.01, "matmul_tflops": 600.0,
+                "peak_bytes_max": 2**30, "classes_per_rank_max": case.num_classes}  # fmt: skip
+
+    tail = {}
+    monkeypatch.setattr(head, "run_case", run_case)
+    monkeypatch.setattr(head_phases, "section_rows",
+                        lambda run, *a: tail.setdefault("phases", run.time_left()))  # fmt: skip
+    monkeypatch.setattr(gpu_sections, "_largest_head", lambda run, *a: None)
+    monkeypatch.setattr(gpu_sections, "_tile_rows", lambda run: None)
+    run = Run("head", False, {"gpus": 1}, section_s, tmp_path / "rows.json")
+    gpu_sections.section_head(run)
+    rows = {row["what"]: row["status"] for row in run.rows}
+    cases = [f"{label}, {c:,} classes" for c in (1_000_000, 10_000_000)
+             for label, _, _ in gpu_sections.HEAD_VARIANTS]  # fmt: skip
+    assert set(rows) == set(cases)
+    assert {what for what, status in rows.items() if status == "skipped"} == skipped
+    assert tail["phases"] >= 45  # head_phases.section_rows starts with 45 s left
