@@ -873,7 +873,8 @@ def test_the_largest_class_count_search_brackets_the_boundary(monkeypatch, devic
         # The H200's head section had 178 s; its cases took 10-17 s at 10M classes.
         (178.0, set()),
         # Short of time, the 1M cases (the issue's targets) run and 10M cases give way.
-        (110.0, {"torch, 10,000,000 classes", "triton + fused update, recomputed, 10,000,000 classes",
+        (110.0, {"torch, 10,000,000 classes",
+                 "triton + fused update, recomputed, 10,000,000 classes",
                  "triton + fused update, captured, 10,000,000 classes"}),
     ],
 )  # fmt: skip

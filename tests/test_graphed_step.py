@@ -185,6 +185,52 @@ def test_every_kernel_variant_the_capture_launches_was_launched_before_it(monkey
     assert state["capture"] <= state["warm-up"], state["capture"] - state["warm-up"]
 
 
+def test_the_capture_steps_under_the_global_state_the_steps_before_it_compiled_under():
+    """torch.compile guards on global state (grad mode, autocast and its cache setting, ...)
+    and compiles again where it differs, which a CUDA capture cannot do (on the H200 the
+    compiled step's capture failed). The capture turns autocast's cache off: the backbone's
+    forward in the capture passes the global-state guard (Dynamo's own) of its forward in the
+    last eager step. Checked by a hook: under the stand-in's recording mode Dynamo does not
+    compile at all."""
+    from torch._C._dynamo.guards import GlobalStateGuard
+
+    state = {"phase": "warm-up", "guard": None, "failed": None, "checked": 0}
+
+    class FlaggedTape(TapeGraph):
+        @contextlib.contextmanager
+        def capture(self):
+            state["phase"] = "capture"
+            try:
+                with super().capture():
+                    yield
+            finally:
+                state["phase"] = "replays"
+
+    def before_forward(module, inputs):
+        if state["phase"] == "warm-up":
+            state["guard"] = GlobalStateGuard()
+        elif state["phase"] == "capture":
+            state["checked"] += 1
+            if not state["guard"].check():
+                state["failed"] = state["guard"].reason()
+
+    cpu = torch.device("cpu")
+    eager_curve, _, _ = _train(train_step, cpu, level="O1")
+    # On every module's forward: the backbone _parts builds is the one nn.Sequential.
+    handle = nn.modules.module.register_module_forward_pre_hook(
+        lambda module, inputs: before_forward(module, inputs)
+        if isinstance(module, nn.Sequential) else None
+    )  # fmt: skip
+    try:
+        graphed_step = GraphedStep(train_step, warmup=2, graph=FlaggedTape)
+        curve, _, _ = _train(graphed_step, cpu, level="O1")
+    finally:
+        handle.remove()
+    assert graphed_step.captures == 1 and state["checked"] == 1
+    assert state["failed"] is None, f"the capture's global state differs: {state['failed']}"
+    assert torch.equal(curve, eager_curve), (curve, eager_curve)
+
+
 def test_the_stand_in_freezes_what_python_held_at_capture(monkeypatch):
     """The check has teeth: with the learning rates left as floats, the replayed steps keep
     the capture's rate, as a CUDA graph would, and drift from the eager ones."""

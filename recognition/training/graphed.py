@@ -9,7 +9,8 @@ them at once, so the host's work per step no longer depends on the model.
 For each kind of step (`StepKey`: the micro-batches' shapes, dtypes and strides, and
 whether the model trains, is held by train.head_only_steps, clips) it runs the first
 `warmup` steps eagerly - on a side stream, as CUDA graphs ask: the optimizer's state is
-made, cuDNN chooses its algorithms, the head tunes its tiles - and then captures the next
+made, cuDNN chooses its algorithms, the head tunes its tiles, a compiled backbone compiles,
+each under the settings the capture will have - and then captures the next
 one into a graph over static copies of the micro-batches. The capture runs no kernel: the
 graph is replayed at once for that step's batch. Every later step of that kind copies its
 batches into the static copies, writes the schedule's learning rates into the device
@@ -167,10 +168,14 @@ class GraphedStep:
         args = (backbone, head, micro_batches, optimizer, precision, max_grad_norm)
         if self._graph is None and self._eager_steps < self._warmup:
             self._eager_steps += 1
-            # With the rates in the device tensors the capture reads: every kernel variant
-            # the capture launches (the head's fused update reading its rate from memory is
-            # one of its own) is then compiled and loaded here; a capture can do neither.
-            with _side_stream(micro_batches), _tensor_lrs(optimizer, self._rates(optimizer)):
+            # As the capture will step - the rates in the device tensors it reads, autocast
+            # without its cache - so that every kernel the capture launches is compiled and
+            # loaded here, which a capture can do neither of: the head's fused update reading
+            # its rate from memory is a Triton variant of its own, and a compiled backbone
+            # guards on autocast's cache setting (a capture under another setting compiled the
+            # backbone again, inside the capture: the H200's `compiled, step captured` row).
+            lrs = self._rates(optimizer)
+            with _side_stream(micro_batches), _tensor_lrs(optimizer, lrs), _uncached(precision):
                 return self._step(*args)
         if self._graph is None:
             self._capture(args)
@@ -266,7 +271,8 @@ def _tensor_lrs(optimizer: torch.optim.Optimizer, lrs: list[Tensor]) -> Iterator
 @contextlib.contextmanager
 def _uncached(precision: Precision) -> Iterator[None]:
     """Autocast without its cache of cast weights while the step is captured, as torch asks
-    of a CUDA graph capture (the same values: a weight cast at each use)."""
+    of a CUDA graph capture (the same values: a weight cast at each use), and in the eager
+    steps before it (the same global state: torch.compile's guards read the setting)."""
     precision.autocast_cache = False
     try:
         yield
