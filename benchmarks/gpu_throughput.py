@@ -74,24 +74,56 @@ def section_throughput(run: SectionRun) -> None:
     # Compiled: the whole backbone as one graph, its blocks in place (train.compile_scope),
     # the whole inside the captured step (train.cuda_graphs), and the whole with CUDA graphs
     # of its own (compile_mode reduce-overhead: the backbone's launches replayed, not made by
-    # the host), each a cold compile in this process.
+    # the host), each in a process of its own: a capture that fails leaves torch's CUDA
+    # generator registered to it, and every later random draw in that process fails (on the
+    # H200, the row after a failed capture: "Offset increment outside graph capture").
     for overrides, what in COMPILED_ROWS:
         if run.smoke:
             run.skip(what, "on a GPU only (inductor takes minutes on a CPU)")
         elif run.time_left() < 60:
             run.skip(what, "no time left in the section (compiling takes about a minute)")
         else:
-            cfg_compiled = load_config(plan.config, [*base, "train.compile=true", *overrides])
             try:
-                compiled = train_throughput.measure_model(
-                    cfg_compiled, device, plan.identities, plan.steps, plan.warmup
+                compiled = model_in_a_process(
+                    run, plan, [*base, "train.compile=true", *overrides], run.time_left() - 5
                 )
-            except Exception as exc:  # noqa: BLE001 - a row, and the next one is tried
-                run.fail(what, first_line(f"{type(exc).__name__}: {exc}"))
+            except RuntimeError as exc:  # a row, and the next one is tried
+                run.fail(what, first_line(str(exc)))
                 continue
             _compiled_row(run, what, compiled, matmul, model["images_per_s"])
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+
+
+def model_in_a_process(run: SectionRun, plan: ThroughputPlan, overrides: list[str],
+                       timeout_s: float) -> dict[str, Any]:  # fmt: skip
+    """`train_throughput.measure_model` of `plan` with `overrides` (train.compile among them,
+    or the row is eager) in a fresh process, within `timeout_s`: its result. RuntimeError
+    naming the cause (the exception's line from the log) when it fails."""
+    import json
+    import sys
+
+    from benchmarks.common import log_tail, run_command
+    from recognition.config import load_config
+
+    backbone = load_config(plan.config, overrides).model.backbone
+    scratch = run.scratch / f"model{len(run.rows)}"
+    scratch.mkdir(parents=True, exist_ok=True)
+    out = scratch / "model.json"
+    compiled = "train.compile=true" in overrides
+    command = [sys.executable, "-m", "benchmarks.train_throughput", "--config", plan.config,
+               "--device", "cuda" if run.gpu else "cpu", "--backbones", backbone,
+               "--classes", str(plan.identities),
+               "--steps", str(plan.steps), "--warmup", str(plan.warmup),
+               "--compile-only" if compiled else "--no-compile", "--json", str(out),
+               "--", *overrides]  # fmt: skip
+    code, timed_out = run_command(command, scratch / "log.txt", timeout_s)
+    if timed_out:
+        raise RuntimeError(f"ran out of time ({timeout_s:.0f} s)")
+    if code != 0 or not out.exists():
+        lines = log_tail(scratch / "log.txt", 40)
+        cause = next((line for line in reversed(lines) if "Error" in line), None)
+        raise RuntimeError(cause or f"exit {code}: {' / '.join(lines[-3:])}")
+    row = json.loads(out.read_text())["rows"][0]
+    return {k: v for k, v in row.items() if k not in ("backbone", "compile", "what")}
 
 
 COMPILED_ROWS = (  # most valuable first

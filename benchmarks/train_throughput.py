@@ -7,7 +7,8 @@
     python -m benchmarks.train_throughput --device cpu --backbones iresnet18 --batch-size 16 \\
         --image-size 64 --classes 1000 --steps 4 --no-compile        # a smoke run on a laptop
 
-Two kinds of rows, each for every backbone and for compile off and on (`train.compile`):
+Two kinds of rows, each for every backbone and for compile off and on (`train.compile`;
+--no-compile and --compile-only keep one):
 
 - **model only**: the project's training step (`recognition.training.train_step`: the
   backbone, the config's sharded margin-softmax head, Precision, SGD) on random images that
@@ -222,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true", help="compile off only")
+    parser.add_argument("--compile-only", action="store_true", help="compile on only")
     parser.add_argument("--data", type=Path, nargs="*", default=[], help="end-to-end data sets")
     parser.add_argument("--workers", type=int, default=8, help="loader workers, cpu decode")
     parser.add_argument("--gpu-decode-workers", type=int, default=4, help="with gpu decode")
@@ -236,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     decodes = args.decode or (["cpu", "gpu"] if device.type == "cuda" else ["cpu"])
     rows: list[dict[str, Any]] = []
     matmul = None
+    settings = [False] if args.no_compile else [True] if args.compile_only else [False, True]
     for backbone in args.backbones:
-        for compiled in [False] if args.no_compile else [False, True]:
+        for compiled in settings:
             overrides = [
                 f"model.backbone={backbone}",
                 f"train.batch_size={args.batch_size}",

@@ -913,3 +913,21 @@ def test_head_cases_run_most_valuable_first_and_leave_the_tail_its_time(
     assert set(rows) == set(cases)
     assert {what for what, status in rows.items() if status == "skipped"} == skipped
     assert tail["phases"] >= 45  # head_phases.section_rows starts with 45 s left
+
+
+def test_a_model_row_in_a_process_of_its_own_returns_the_measurement_or_the_cause(tmp_path):
+    """The compiled rows run `train_throughput` in a fresh process each (a failed capture
+    poisons the process that made it): its measurement comes back as the in-process one's
+    keys; a failure comes back as the exception's line from its log."""
+    run = gpu_sections.SectionRun("throughput", False, {"gpus": 0}, time.monotonic() + 300,
+                                  tmp_path / "rows.json", scratch=tmp_path)  # fmt: skip
+    plan = gpu_throughput.throughput_plan(
+        gpu_sections.SectionRun("throughput", True, {"gpus": 0}, 0.0, tmp_path / "x.json")
+    )
+    base = [*plan.overrides, "train.device=cpu", "eval.targets=[]", "eval.at_end=false"]
+    model = gpu_throughput.model_in_a_process(run, plan, [*base, "train.compile=false"], 240)
+    assert model["images_per_s"] > 0 and model["cuda_graphs"] == 0 and model["tflops"] > 0
+    assert "what" not in model and model["warmup_s"] > 0
+    run.info["gpus"] = 1  # a GPU this machine does not have: the child fails on its first use
+    with pytest.raises(RuntimeError, match="^RuntimeError: Found no NVIDIA driver"):
+        gpu_throughput.model_in_a_process(run, plan, [*base, "train.compile=false"], 240)
