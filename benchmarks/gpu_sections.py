@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import REPO_ROOT, exit_after_last_line, log_tail, run_command
 from benchmarks.gpu_section_run import GIB, MARGIN_S, SectionRun, first_line, fmt
@@ -46,18 +47,32 @@ def run(name: str, result_path: Path, limit_s: float, info: dict, smoke: bool) -
 
 _VERBOSE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 _SUMMARY = re.compile(r"^(FAILED|ERROR) (\S+::\S+)(?: - (.*))?$")
+_BLOCK = re.compile(r"^_{3,} (?:ERROR at \w+ of )?(\S+) _{3,}$")  # a failure's report
+_DETAIL_LINES = 6
 
 
-def parse_pytest(output: str) -> list[dict[str, str]]:
-    """Each test of `pytest -v -rfE` output, in order: {"test", "outcome", "reason"} (the
-    reason of a failure from the short summary). Tests still running when it was cut off
-    are not in it."""
-    tests: dict[str, dict[str, str]] = {}
+def parse_pytest(output: str) -> list[dict[str, Any]]:
+    """Each test of `pytest -v -rfE` output, in order: {"test", "outcome", "reason",
+    "details"} (the reason of a failure from the short summary; the details, its report's
+    first `E` lines: an assertion's values, which the summary's one line leaves out). Tests
+    still running when it was cut off are not in it."""
+    tests: dict[str, dict[str, Any]] = {}
+    details: dict[str, list[str]] = {}
+    block = None
     for line in output.splitlines():
         if match := _VERBOSE.match(line):
-            tests.setdefault(match[1], {"test": match[1], "outcome": match[2], "reason": ""})
+            tests.setdefault(
+                match[1], {"test": match[1], "outcome": match[2], "reason": "", "details": []}
+            )
         elif (match := _SUMMARY.match(line)) and match[2] in tests:
             tests[match[2]]["reason"] = match[3] or ""
+        elif match := _BLOCK.match(line):
+            block = details.setdefault(match[1], [])
+        elif block is not None and line.startswith("E ") and line[1:].strip():
+            block.append(line[1:].strip())
+    for test in tests.values():  # a report is headed by the id's last part
+        name = test["test"].rsplit("::", 1)[-1]
+        test["details"] = details.get(name, [])[:_DETAIL_LINES]
     return list(tests.values())
 
 
@@ -97,8 +112,11 @@ def section_tests(run: SectionRun) -> None:
         passed = outcome in ("passed", "xfail")
         status = "skipped" if outcome == "skipped" else "ok" if passed else "failed"
         result = outcome + (f": {test['reason']}" if test["reason"] else "")
+        if not passed and test["details"][1:]:  # the lines after the summary's
+            result += " / " + " / ".join(test["details"][1:])
         run.add(test["test"].removeprefix("tests/"), result, target="passes",
-                met=None if status == "skipped" else passed, status=status)  # fmt: skip
+                met=None if status == "skipped" else passed, status=status,
+                details=test["details"])  # fmt: skip
     if timed_out:
         run.fail("(the rest)", "pytest ran out of time; the tests after these did not run")
     elif not results:

@@ -239,6 +239,16 @@ tests/test_engine.py::test_training_on_cuda_follows_the_cpu_run PASSED          
 tests/test_host_sync.py::test_steady_state_steps_do_not_sync_on_cuda[O1-bf16-clip-sgd] FAILED [ 28%]
 tests/test_gpu_decode.py::test_nvjpeg_batches_match_the_cpu_path_within_tolerance SKIPPED [ 42%]
 tests/test_head_triton_cuda.py::test_triton_head_compiled_on_cuda_matches_references
+=================================== FAILURES ===================================
+___________ test_steady_state_steps_do_not_sync_on_cuda[O1-bf16-clip-sgd] ___________
+
+    def test_steady_state_steps_do_not_sync_on_cuda(case):
+>       step()
+E       RuntimeError: called a synchronizing CUDA operation
+E
+E       during the step's 3rd operation: aten::_local_scalar_dense
+
+tests/test_host_sync.py:12: RuntimeError
 =========================== short test summary info ============================
 FAILED tests/test_host_sync.py::test_steady_state_steps_do_not_sync_on_cuda[O1-bf16-clip-sgd] - RuntimeError: called a synchronizing CUDA operation
 """  # noqa: E501
@@ -247,13 +257,15 @@ FAILED tests/test_host_sync.py::test_steady_state_steps_do_not_sync_on_cuda[O1-b
 def test_pytest_output_gives_each_finished_test_its_outcome_and_reason():
     assert gpu_sections.parse_pytest(PYTEST_OUTPUT) == [
         {"test": "tests/test_engine.py::test_training_on_cuda_follows_the_cpu_run",
-         "outcome": "PASSED", "reason": ""},
+         "outcome": "PASSED", "reason": "", "details": []},
         {"test": "tests/test_host_sync.py::test_steady_state_steps_do_not_sync_on_cuda"
                  "[O1-bf16-clip-sgd]",
-         "outcome": "FAILED", "reason": "RuntimeError: called a synchronizing CUDA operation"},
+         "outcome": "FAILED", "reason": "RuntimeError: called a synchronizing CUDA operation",
+         "details": ["RuntimeError: called a synchronizing CUDA operation",
+                     "during the step's 3rd operation: aten::_local_scalar_dense"]},
         {"test": "tests/test_gpu_decode.py::"
                  "test_nvjpeg_batches_match_the_cpu_path_within_tolerance",
-         "outcome": "SKIPPED", "reason": ""},
+         "outcome": "SKIPPED", "reason": "", "details": []},
     ]  # fmt: skip
 
 
@@ -458,6 +470,41 @@ def test_a_failed_test_keeps_its_reason_however_long_its_id(tmp_path):
     [test] = gpu_sections.parse_pytest(done.stdout)
     assert test["outcome"] == "FAILED"
     assert test["reason"] == "assert (1 + 1) == 3"
+
+
+def test_the_tests_sections_failed_row_says_what_its_report_says(tmp_path, monkeypatch):
+    def run_command(command, log, timeout_s, env=None):
+        log.write_text(PYTEST_OUTPUT)
+        return 1, False
+
+    monkeypatch.setattr(gpu_sections, "run_command", run_command)
+    run = gpu_sections.SectionRun("tests", False, {"gpus": 1}, time.monotonic() + 60,
+                                  tmp_path / "rows.json", scratch=tmp_path)  # fmt: skip
+    gpu_sections.section_tests(run)
+    failed = [row for row in run.rows if row["status"] == "failed"]
+    assert [row["result"] for row in failed] == [
+        "failed: RuntimeError: called a synchronizing CUDA operation / during the step's 3rd "
+        "operation: aten::_local_scalar_dense"
+    ]
+    assert failed[0]["data"]["details"][1].startswith("during the step's 3rd operation")
+
+
+def test_a_failed_tests_row_holds_its_assertions_values(tmp_path):
+    # The H200's row said "AssertionError: Scalars are not close!" and nothing of the
+    # values: the lines of the failure's report after its first come with it.
+    (tmp_path / "test_close.py").write_text(
+        "import torch\n\ndef test_close():\n"
+        "    torch.testing.assert_close(torch.tensor(1.0), torch.tensor(1.5))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider",
+         str(tmp_path / "test_close.py")],
+        capture_output=True, text=True, env=gpu_sections.pytest_env(), cwd=tmp_path,
+    )  # fmt: skip
+    [test] = gpu_sections.parse_pytest(done.stdout)
+    assert test["reason"] == "AssertionError: Scalars are not close!"
+    assert test["details"][0] == test["reason"]
+    assert any("Expected 1.5 but got 1.0" in line for line in test["details"]), test["details"]
 
 
 # ---- the rates, from a fake clock with known step times ------------------------------------
