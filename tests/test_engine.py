@@ -493,6 +493,49 @@ def test_blocks_are_compiled_with_static_shapes():
     assert symbolic == [], graphs
 
 
+def test_blocks_stay_compiled_after_head_only_steps_and_in_evaluation():
+    """Every block of a class shares one forward code object, and Dynamo's recompile limit
+    (8) counts that object's graphs: IResNet-34's 8 kinds of block held in eval mode without
+    gradients first (train.head_only_steps, evaluation) and then trained make 16. Each
+    block's forward runs a compiled graph in both, counted by a backend whose graphs count
+    their calls (at the limit Dynamo would run the blocks eagerly, silently)."""
+    import torch._dynamo
+
+    from recognition.config import load_config
+    from recognition.models import build_backbone
+    from recognition.models.units import UnitChain
+    from recognition.training.build import compile_model
+
+    calls = {"graphs": 0, "runs": 0}
+
+    def counting(gm, example_inputs):
+        calls["graphs"] += 1
+
+        def run(*args):
+            calls["runs"] += 1
+            return gm.forward(*args)
+
+        return run
+
+    cfg = load_config("default", ["train.compile=true", "train.compile_scope=blocks"])
+    cfg.train.compile_backend = counting
+    torch.manual_seed(0)
+    model = build_backbone("iresnet34", image_size=32, embedding_size=16, width=0.125)
+    blocks = len(next(m for m in model.modules() if isinstance(m, UnitChain)).blocks())
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=8, accumulated_recompile_limit=256):
+        compile_model(model, cfg, torch.device("cpu"))
+        images = torch.randn(4, 3, 32, 32)
+        for mode in ("held", "trained", "held"):
+            calls["runs"] = 0
+            model.train(mode == "trained")
+            with torch.set_grad_enabled(mode == "trained"):
+                model(images).sum().backward() if mode == "trained" else model(images)
+            assert calls["runs"] == blocks, (mode, calls)
+    torch._dynamo.reset()
+    assert calls["graphs"] == 16
+
+
 def test_training_uses_one_loader_iterator_across_epochs(image_folder, tmp_path, monkeypatch):
     """The loop never re-creates the DataLoader iterator at an epoch boundary, so its
     workers keep loading ahead into the next epoch."""

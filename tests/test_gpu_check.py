@@ -348,8 +348,8 @@ def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
         "model only, eager, CUDA graphs", "model only, eager, mbf", "model only, eager, vit_b",
         "model only, eager, O2",
         "end to end, data.decode=cpu", "end to end, data.decode=gpu", "model only, compiled",
-        "model only, compiled by blocks", "model only, compiled, step captured",
-        "model only, compiled, CUDA graphs",
+        "model only, compiled by blocks", "model only, compiled by blocks, step captured",
+        "model only, compiled, step captured", "model only, compiled, CUDA graphs",
     ]  # fmt: skip
     ops = throughput["aten operations per step (CPU count)"]
     assert ops["status"] == "ok" and ops["data"]["ops_per_step"] == sum(

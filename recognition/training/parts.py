@@ -61,6 +61,33 @@ def wrap_model(cfg: ExperimentConfig, dist_info: DistInfo, backbone: nn.Module) 
     return model
 
 
+GRAPHS_PER_KIND = 4
+"""Graphs a run may make of one kind of block: training, evaluation and held head-only steps
+(eval mode, no grad), and one to spare."""
+
+
+def _allow_graphs_per_kind(blocks: list[nn.Module]) -> None:
+    """Raise Dynamo's recompile limit to GRAPHS_PER_KIND graphs per kind of block in `blocks`.
+    The limit (8) counts per code object, and every block of a class shares its forward's:
+    IResNet-50's 8 kinds filled it in training alone, so its evaluation ran eagerly, and after
+    train.head_only_steps (other guards: eval mode, no grad) its training would have too,
+    silently (Dynamo falls back to eager at the limit)."""
+    kinds = {
+        (type(block), tuple((name, tuple(p.shape)) for name, p in block.named_parameters()))
+        for block in blocks
+    }
+    config = torch._dynamo.config
+    needed = GRAPHS_PER_KIND * len(kinds)
+    if config.recompile_limit < needed:
+        log.info(
+            "train.compile_scope=blocks: %d kinds of block; Dynamo's recompile limit raised "
+            "from %d to %d (one limit counts the graphs of every block of a class)",
+            len(kinds), config.recompile_limit, needed,
+        )  # fmt: skip
+        config.recompile_limit = needed
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, needed)
+
+
 def compile_model(model: nn.Module, cfg: ExperimentConfig, device: torch.device) -> nn.Module:
     """`model` under torch.compile with train.compile_mode and train.compile_backend, for
     training on `device`: its backbone's blocks compiled in place (train.compile_scope
@@ -82,6 +109,7 @@ def compile_model(model: nn.Module, cfg: ExperimentConfig, device: torch.device)
             # lowering then specialises back (IResNet-50 on a CPU: 54 s cold, 42 s static).
             for block in blocks:
                 block.compile(**options, dynamic=False)
+            _allow_graphs_per_kind(blocks)
             return model
         log.info("train.compile_scope=blocks: %s has no blocks; compiled whole", cfg.model.backbone)
     return torch.compile(model, **options)
