@@ -96,3 +96,34 @@ def test_the_phases_are_marked_while_a_profiler_runs(monkeypatch):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
             with phase("forward"):
                 pass
+
+
+def test_a_phase_and_the_rest_of_the_step_count_each_kernel_once():
+    """benchmarks/head_phases.py's sums over the profiler's key averages, on the kinds of
+    event it returns for a step with a profiled range: the range's host event (its kernels'
+    device time) and its device-side annotation (its span on the GPU), the kernels' own
+    events, and the host operations that launched them (their kernels' time again). The
+    forward is its 4 ms of kernels, the rest of the step the 0.5 ms kernel outside it."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from benchmarks.head_phases import per_step_ms
+
+    def event(key, device, *, total, own, annotation=False):
+        return SimpleNamespace(key=key, device_type=device, is_user_annotation=annotation,
+                               device_time_total=total, self_device_time_total=own)  # fmt: skip
+
+    cpu, cuda, steps = DeviceType.CPU, DeviceType.CUDA, 2  # microseconds over 2 steps
+    events = [
+        event(PREFIX + "forward", cpu, total=8000, own=0, annotation=True),
+        event(PREFIX + "forward", cuda, total=8300, own=8300, annotation=True),
+        event("_forward_kernel", cuda, total=8000, own=8000),
+        event("cuLaunchKernel", cpu, total=8000, own=8000),
+        event("_margin_kernel", cuda, total=1000, own=1000),
+        event("aten::add", cpu, total=1000, own=1000),
+    ]
+    ms = per_step_ms(events, steps)
+    assert ms["forward"] == pytest.approx(4.0)
+    assert ms["rest of the step"] == pytest.approx(0.5)
+    assert all(ms[name] == 0.0 for name in PHASES if name != "forward")
