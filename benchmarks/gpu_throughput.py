@@ -93,6 +93,9 @@ def section_throughput(run: SectionRun) -> None:
             _compiled_row(run, what, compiled, matmul, model["images_per_s"])
 
 
+WARM_ROW = "model only, compiled, warm cache"
+
+
 def model_in_a_process(run: SectionRun, plan: ThroughputPlan, overrides: list[str],
                        timeout_s: float) -> dict[str, Any]:  # fmt: skip
     """`train_throughput.measure_model` of `plan` with `overrides` (train.compile among them,
@@ -128,6 +131,9 @@ def model_in_a_process(run: SectionRun, plan: ThroughputPlan, overrides: list[st
 
 COMPILED_ROWS = (  # most valuable first
     (("train.compile_scope=model",), "model only, compiled"),
+    # The same again in a new process: Inductor's caches on disk (FX graphs, AOTAutograd)
+    # filled by the row above, as a second run on one machine finds them.
+    (("train.compile_scope=model",), WARM_ROW),
     (("train.compile_scope=blocks",), "model only, compiled by blocks"),
     # The blocks' graphs inside the whole step's capture: on the H200 the blocks compiled in
     # a third less time than the whole, but stepped no faster than eager (4,660 images/s
@@ -142,15 +148,20 @@ COMPILED_ROWS = (  # most valuable first
     (("train.compile_mode=reduce-overhead",), "model only, compiled, CUDA graphs"),
 )
 COMPILED_SPEEDUP, COMPILED_FIRST_S = 1.15, 20.0  # the targets: x eager, first steps
+COMPILED_WARM_FIRST_S = 5.0  # and the first steps with a warm cache
 
 
 def _compiled_row(run: SectionRun, what: str, model: dict, matmul: float, eager: float) -> None:
     """A compiled model-only row, held to COMPILED_SPEEDUP x the eager row's images/s and its
-    first steps (the compile, cold) to COMPILED_FIRST_S."""
+    first steps (the compile, cold) to COMPILED_FIRST_S; the warm-cache row, its first steps
+    to COMPILED_WARM_FIRST_S."""
     speedup = model["images_per_s"] / eager
     percent, text = _model_text(model, matmul, f"x{speedup:.2f} eager, ")
     target = f">= x{COMPILED_SPEEDUP} eager, first steps <= {COMPILED_FIRST_S:.0f} s"
     met = speedup >= COMPILED_SPEEDUP and model["warmup_s"] <= COMPILED_FIRST_S
+    if what == WARM_ROW:
+        target = f"first steps <= {COMPILED_WARM_FIRST_S:.0f} s"
+        met = model["warmup_s"] <= COMPILED_WARM_FIRST_S
     run.add(what, text, target=target, met=met, percent_of_matmul=percent,
             speedup_over_eager=speedup, **model)  # fmt: skip
 

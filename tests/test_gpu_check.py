@@ -348,7 +348,8 @@ def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
         "model only, eager, CUDA graphs", "model only, eager, mbf", "model only, eager, vit_b",
         "model only, eager, O2",
         "end to end, data.decode=cpu", "end to end, data.decode=gpu", "model only, compiled",
-        "model only, compiled by blocks", "model only, compiled by blocks, step captured",
+        "model only, compiled, warm cache", "model only, compiled by blocks",
+        "model only, compiled by blocks, step captured",
         "model only, compiled, step captured", "model only, compiled, CUDA graphs",
     ]  # fmt: skip
     ops = throughput["aten operations per step (CPU count)"]
@@ -447,6 +448,16 @@ def test_a_compiled_row_is_held_to_its_speedup_over_eager_and_its_first_steps(
     assert row["met"] is met and row["target"] == ">= x1.15 eager, first steps <= 20 s"
     assert row["data"]["speedup_over_eager"] == pytest.approx(rate / 5000.0)
     assert f"x{rate / 5000.0:.2f} eager" in row["result"] and "(25 % of mm)" in row["result"]
+
+
+@pytest.mark.parametrize("first_s, met", [(4.5, True), (6.0, False)])
+def test_the_warm_cache_row_is_held_to_its_first_steps_alone(tmp_path, first_s, met):
+    run, _ = planned_run(tmp_path)
+    model = {"images_per_s": 4000.0, "step_ms": 64.0, "tflops": 200.0, "warmup_s": first_s,
+             "gpu_memory_mib": 7168.0}  # fmt: skip
+    gpu_throughput._compiled_row(run, gpu_throughput.WARM_ROW, model, 800.0, 5000.0)
+    [row] = run.rows
+    assert row["met"] is met and row["target"] == "first steps <= 5 s"
 
 
 def test_a_plan_that_fails_is_a_failed_row_and_the_section_goes_on(tmp_path):
