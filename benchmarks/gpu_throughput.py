@@ -5,6 +5,7 @@ Rows as benchmarks/gpu_sections.py's other sections record them (`SectionRun`)."
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -94,6 +95,7 @@ def section_throughput(run: SectionRun) -> None:
 
 
 WARM_ROW = "model only, compiled, warm cache"
+_EXCEPTION = re.compile(r"^[\w.]*(Error|Exception)\b")
 
 
 def model_in_a_process(run: SectionRun, plan: ThroughputPlan, overrides: list[str],
@@ -123,7 +125,8 @@ def model_in_a_process(run: SectionRun, plan: ThroughputPlan, overrides: list[st
         raise RuntimeError(f"ran out of time ({timeout_s:.0f} s)")
     if code != 0 or not out.exists():
         lines = log_tail(scratch / "log.txt", 40)
-        cause = next((line for line in reversed(lines) if "Error" in line), None)
+        # The exception's line (torch's CUDA errors end with a line of advice after it).
+        cause = next((line for line in reversed(lines) if _EXCEPTION.match(line)), None)
         raise RuntimeError(cause or f"exit {code}: {' / '.join(lines[-3:])}")
     row = json.loads(out.read_text())["rows"][0]
     return {k: v for k, v in row.items() if k not in ("backbone", "compile", "what")}

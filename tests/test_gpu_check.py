@@ -973,7 +973,9 @@ def test_head_cases_run_most_valuable_first_and_leave_the_tail_its_time(
     assert tail["phases"] >= 45  # head_phases.section_rows starts with 45 s left
 
 
-def test_a_model_row_in_a_process_of_its_own_returns_the_measurement_or_the_cause(tmp_path):
+def test_a_model_row_in_a_process_of_its_own_returns_the_measurement_or_the_cause(
+    tmp_path, monkeypatch
+):
     """The compiled rows run `train_throughput` in a fresh process each (a failed capture
     poisons the process that made it): its measurement comes back as the in-process one's
     keys; a failure comes back as the exception's line from its log."""
@@ -986,6 +988,17 @@ def test_a_model_row_in_a_process_of_its_own_returns_the_measurement_or_the_caus
     model = gpu_throughput.model_in_a_process(run, plan, [*base, "train.compile=false"], 240)
     assert model["images_per_s"] > 0 and model["cuda_graphs"] == 0 and model["tflops"] > 0
     assert "what" not in model and model["warmup_s"] > 0
-    run.info["gpus"] = 1  # a GPU this machine does not have: the child fails on its first use
-    with pytest.raises(RuntimeError, match="^RuntimeError: Found no NVIDIA driver"):
+    # A process that fails: the cause is the exception's line of its log, the last one.
+    from benchmarks import common
+
+    def failing(command, log, timeout_s, env=None):
+        log.write_text(
+            'Traceback (most recent call last):\n  File "x.py", line 1\n'
+            "torch.AcceleratorError: CUDA error: operation failed during capture\n"
+            "Search for `cudaErrorStreamCaptureInvalidated' in the CUDA docs\n"
+        )
+        return 1, False
+
+    monkeypatch.setattr(common, "run_command", failing)
+    with pytest.raises(RuntimeError, match="^torch.AcceleratorError: CUDA error: operation"):
         gpu_throughput.model_in_a_process(run, plan, [*base, "train.compile=false"], 240)
