@@ -22,13 +22,14 @@ cold compiles, last):
                seconds from its last line to its process's end;
 4. multi_gpu   with 2 GPUs: a DDP run with SyncBN and a 2-stage pipeline run
                (benchmarks/train_scaling.py's run_one); skipped, and said so, on one;
-5. throughput  IResNet-50, 112 px, batch 256, bf16, channels-last: model-only images/s eager
-               (and MobileFaceNet mbf's and ViT vit_b's in the same setting), its memory
-               plan, the aten operations of its step counted on the CPU
+5. throughput  IResNet-50, 112 px, batch 256, bf16, channels-last: model-only images/s eager,
+               its memory plan, the aten operations of its step counted on the CPU
                (benchmarks/step_ops.py), the data.augment=face batch on the device
-               (augment_batch) against the model's step, end to end from a JPEG folder it
-               generates with data.decode cpu and gpu, and compiled last: whole, by
-               blocks, and with CUDA graphs (benchmarks/train_throughput.py).
+               (augment_batch) against the model's step, the step captured
+               (train.cuda_graphs), compiled (whole, by blocks, captured, from a warm
+               cache, reduce-overhead; each in a process of its own), end to end from a
+               JPEG folder it generates with data.decode gpu and cpu, and MobileFaceNet
+               mbf's, ViT vit_b's and O2's eager steps last (benchmarks/gpu_throughput.py).
 
 Each section runs as `python -m benchmarks.gpu_check --section NAME` in a process group of
 its own, killed at its time limit, so that a hang or a crashed CUDA context in one cannot
@@ -90,8 +91,8 @@ class Section:
     gpus: int  # CUDA devices it needs: 0 runs on a CPU under --smoke
 
 
-# The throughput section last: its slowest rows (cold compiles) come at its end, and the
-# last section gets all the time the others left.
+# The throughput section last: its slowest rows (cold compiles) are in it, and the last
+# section gets all the time the others left.
 SECTIONS = (
     Section("tests", "the suite's CUDA tests", 130.0, 60.0, 1),
     Section("head", "margin-softmax head", 150.0, 90.0, 0),

@@ -1,6 +1,7 @@
 """Section 3 of benchmarks/gpu_check.py, the training step's throughput: the model-only
-step eager (IResNet-50, and one row per other backbone family), its memory plan, its aten
-operation count, the device augmentation, end to end with either decoder, compiled last.
+step eager (IResNet-50), its memory plan, its aten operation count, the device
+augmentation, the step captured, compiled, end to end with either decoder, and one row per
+other backbone family and O2 last.
 Rows as benchmarks/gpu_sections.py's other sections record them (`SectionRun`)."""
 
 from __future__ import annotations
