@@ -477,18 +477,23 @@ def test_a_plan_that_fails_is_a_failed_row_and_the_section_goes_on(tmp_path):
     assert row["status"] == "failed" and "no_such_net" in row["result"], row
 
 
+def _pytest_as_the_section_runs_it(path: Path) -> list[dict]:
+    """`path`'s tests run by pytest with the tests section's options and environment, its
+    output parsed as the section parses it."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", str(path)],
+        capture_output=True, text=True, env=gpu_sections.pytest_env(), cwd=path.parent,
+    )  # fmt: skip
+    return gpu_sections.parse_pytest(done.stdout)
+
+
 def test_a_failed_test_keeps_its_reason_however_long_its_id(tmp_path):
     # Without a terminal pytest's width is 80 columns, and it drops a failure's message from
     # the short summary when the id fills that: the first GPU check's rows said "failed"
     # and nothing more. Run as the tests section runs pytest.
     name = "test_" + "a_name_as_long_as_the_suites_longest_ones_" * 2
     (tmp_path / "test_long.py").write_text(f"def {name}():\n    assert 1 + 1 == 3\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider",
-         str(tmp_path / "test_long.py")],
-        capture_output=True, text=True, env=gpu_sections.pytest_env(), cwd=tmp_path,
-    )  # fmt: skip
-    [test] = gpu_sections.parse_pytest(done.stdout)
+    [test] = _pytest_as_the_section_runs_it(tmp_path / "test_long.py")
     assert test["outcome"] == "FAILED"
     assert test["reason"] == "assert (1 + 1) == 3"
 
@@ -517,12 +522,7 @@ def test_a_failed_tests_row_holds_its_assertions_values(tmp_path):
         "import torch\n\ndef test_close():\n"
         "    torch.testing.assert_close(torch.tensor(1.0), torch.tensor(1.5))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider",
-         str(tmp_path / "test_close.py")],
-        capture_output=True, text=True, env=gpu_sections.pytest_env(), cwd=tmp_path,
-    )  # fmt: skip
-    [test] = gpu_sections.parse_pytest(done.stdout)
+    [test] = _pytest_as_the_section_runs_it(tmp_path / "test_close.py")
     assert test["reason"] == "AssertionError: Scalars are not close!"
     assert test["details"][0] == test["reason"]
     assert any("Expected 1.5 but got 1.0" in line for line in test["details"]), test["details"]
