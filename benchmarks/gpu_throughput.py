@@ -77,7 +77,7 @@ def section_throughput(run: SectionRun) -> None:
     # GPU decoding with the step captured, against the captured model-only row: on the H200
     # decode=gpu kept x0.930 of model only, its decoding thread's host work (nvJPEG calls,
     # the device augmentation's launches) contending for the interpreter with a training
-    # thread whose eager step was bound by its host; a replayed step leaves it that time.
+    # thread whose eager step's host work took as long as its kernels; a replay leaves it that.
     captured = next((r["data"] for r in run.rows if r["what"] == GRAPHS_ROW and
                      r["data"].get("captured")), None)  # fmt: skip
     _end_to_end(run, plan, folder, base, "gpu", (captured or model)["images_per_s"],
