@@ -142,6 +142,24 @@ def test_the_triton_head_with_its_fused_update_replays_its_eager_steps(level):
     assert all(torch.equal(a, b) for a, b in zip(weights, eager_weights, strict=True))
 
 
+def _phased_tape(state: dict) -> type[TapeGraph]:
+    """The stand-in graph, writing into state["phase"] where the run is: "warm-up" (the eager
+    steps, until the capture), "capture", then "replays"."""
+    state["phase"] = "warm-up"
+
+    class PhasedTape(TapeGraph):
+        @contextlib.contextmanager
+        def capture(self):
+            state["phase"] = "capture"
+            try:
+                with super().capture():
+                    yield
+            finally:
+                state["phase"] = "replays"
+
+    return PhasedTape
+
+
 def test_every_kernel_variant_the_capture_launches_was_launched_before_it(monkeypatch):
     """A capture cannot compile or load a kernel, and on a GPU the first launch of a Triton
     variant does both: the eager steps before it launch every variant of the head's kernels
@@ -151,7 +169,7 @@ def test_every_kernel_variant_the_capture_launches_was_launched_before_it(monkey
 
     from graph_tape import LAUNCHING_MODULES
 
-    state = {"capturing": False, "captured": False, "warm-up": set(), "capture": set()}
+    state = {"warm-up": set(), "capture": set()}
 
     def variant(kernel, args, kwargs) -> tuple:
         kinds = tuple(str(a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__
@@ -162,24 +180,13 @@ def test_every_kernel_variant_the_capture_launches_was_launched_before_it(monkey
         module = importlib.import_module(name)
 
         def launch(kernel, grid, *args, _original=module.launch, **kwargs):
-            if not state["captured"]:  # the replays relaunch through here too
-                phase = "capture" if state["capturing"] else "warm-up"
-                state[phase].add(variant(kernel, args, kwargs))
+            if state["phase"] != "replays":  # the replays relaunch through here too
+                state[state["phase"]].add(variant(kernel, args, kwargs))
             return _original(kernel, grid, *args, **kwargs)
 
         monkeypatch.setattr(module, "launch", launch)
 
-    class FlaggedTape(TapeGraph):
-        @contextlib.contextmanager
-        def capture(self):
-            state["capturing"] = True
-            try:
-                with super().capture():
-                    yield
-            finally:
-                state["capturing"], state["captured"] = False, True
-
-    graphed_step = GraphedStep(train_step, warmup=2, graph=FlaggedTape)
+    graphed_step = GraphedStep(train_step, warmup=2, graph=_phased_tape(state))
     _train(graphed_step, torch.device("cpu"), level="O1", clip=None, fused_update=True)
     assert graphed_step.captures == 1 and state["capture"]
     assert state["capture"] <= state["warm-up"], state["capture"] - state["warm-up"]
@@ -194,17 +201,8 @@ def test_the_capture_steps_under_the_global_state_the_steps_before_it_compiled_u
     compile at all."""
     from torch._C._dynamo.guards import GlobalStateGuard
 
-    state = {"phase": "warm-up", "guard": None, "failed": None, "checked": 0}
-
-    class FlaggedTape(TapeGraph):
-        @contextlib.contextmanager
-        def capture(self):
-            state["phase"] = "capture"
-            try:
-                with super().capture():
-                    yield
-            finally:
-                state["phase"] = "replays"
+    state = {"guard": None, "failed": None, "checked": 0}
+    tape = _phased_tape(state)
 
     def before_forward(module, inputs):
         if state["phase"] == "warm-up":
@@ -222,7 +220,7 @@ def test_the_capture_steps_under_the_global_state_the_steps_before_it_compiled_u
         if isinstance(module, nn.Sequential) else None
     )  # fmt: skip
     try:
-        graphed_step = GraphedStep(train_step, warmup=2, graph=FlaggedTape)
+        graphed_step = GraphedStep(train_step, warmup=2, graph=tape)
         curve, _, _ = _train(graphed_step, cpu, level="O1")
     finally:
         handle.remove()
