@@ -53,9 +53,9 @@ class Launch:
     @property
     def name(self) -> str:
         name = self.kernel.__name__.strip("_").removesuffix("_kernel")
-        flags = [k.lower() for k in ("HAS_INDEX", "KEEP", "FUSED", "HAS_MOMENTUM", "NESTEROV",
-                                     "HAS_EXTRA", "HAS_GATE", "LR_IN_MEMORY", "KEEP_NORMS",
-                                     "KEEP_ROWS")
+        flags = [k.lower() for k in ("HAS_INDEX", "KEEP", "FIXED", "FUSED", "HAS_MOMENTUM",
+                                     "NESTEROV", "HAS_EXTRA", "HAS_GATE", "LR_IN_MEMORY",
+                                     "KEEP_NORMS", "KEEP_ROWS")
                  if self.constexprs.get(k)]  # fmt: skip
         if name == "forward":  # on a chunk's rows, rounded to the matmul dtype
             flags.append(f"{str(self.args[0].dtype).removeprefix('torch.')} rows")

@@ -38,6 +38,7 @@ def model_phases(case: Case) -> list[traffic.Phase]:
         keep_logits=case.method == "sharded", fused_update=case.fused_update,
         chunk=min(case.chunk_size or 65536, 65536),
         u_bytes=2 if case.autocast == "bfloat16" else 4,
+        one_shift=case.autocast != "float16",  # ArcFace at s 64 (head_methods._margin)
     )  # fmt: skip
     return traffic.step_traffic(shape)
 

@@ -27,33 +27,38 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # partial-FC row index, plain or with the fused update (momentum, Nesterov, the target rows'
 # share, the training step's gate, the rows' inverse norms and rounded copy kept current,
 # the rate read from the device as a captured step hands it);
-# the forward, keeping its logits or not, and the gradient of the logits, recomputed or from
-# the kept ones, read each chunk's rows rounded (and gathered) beforehand: one variant each.
+# the forward, keeping its logits (with one shift: bf16 operands) or not, the gradient of the
+# logits recomputed, read each chunk's rows rounded (and gathered) beforehand: one variant
+# each. With fp16 operands the forward keeps its logits with tile shifts, which a pass over
+# them rescales (`scale_kept`): those two compiled too.
 UPDATES = ["", " fused has_extra has_gate keep_norms",
            " fused has_momentum has_extra has_gate keep_norms keep_rows",
            " fused has_momentum nesterov has_extra has_gate keep_norms keep_rows",
            " fused has_momentum has_extra has_gate lr_in_memory keep_norms keep_rows",
            " fused has_momentum has_extra keep_norms"]  # fmt: skip
 VARIANTS = [f"finish{index}{update}" for index in ("", " has_index") for update in UPDATES]
-VARIANTS += ["forward bfloat16 rows", "grad_logits", "forward keep bfloat16 rows", "scale_kept"]
+VARIANTS += ["forward bfloat16 rows", "grad_logits", "forward keep fixed bfloat16 rows"]
+FP16_VARIANTS = ["forward keep float16 rows", "scale_kept"]
 
 
 def test_default_tiles_compile_for_h100_within_its_limits(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    report = tmp_path / "resources.json"
-    command = [
-        sys.executable, "-m", "benchmarks.head_kernel_resources", "--dims", "512",
-        "--matmul-dtypes", "bfloat16", "--json", str(report),
-    ]  # fmt: skip
-    done = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert report.exists(), f"no report:\n{done.stdout}\n{done.stderr}"
-    results = json.loads(report.read_text())
-    assert sorted(r["variant"] for r in results) == sorted(VARIANTS)
+    results = []
+    for dtype, only in (("bfloat16", []), ("float16", ["--variants", *FP16_VARIANTS])):
+        report = tmp_path / f"resources-{dtype}.json"
+        command = [
+            sys.executable, "-m", "benchmarks.head_kernel_resources", "--dims", "512",
+            "--matmul-dtypes", dtype, "--json", str(report), *only,
+        ]  # fmt: skip
+        done = subprocess.run(
+            command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert report.exists(), f"no report:\n{done.stdout}\n{done.stderr}"
+        assert done.returncode == 0, done.stdout
+        results += json.loads(report.read_text())
+    assert sorted(r["variant"] for r in results) == sorted(VARIANTS + FP16_VARIANTS)
     for r in results:
         where = f"{r['variant']} ({r['tiles']}): {r}"
         assert r["shared_bytes"] <= H100_SHARED_BYTES, where
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, where
         assert 0 < r["registers"] <= 255, where
-    assert done.returncode == 0, done.stdout

@@ -33,8 +33,21 @@ def by_phase(**options) -> dict:
 
 def test_kept_logits_and_fused_update_by_hand():
     # The rows' copy and inverse norms kept between fused updates: the forward reads no fp32
-    # row; it writes the exponentials and one shift per row and 128-class tile.
+    # row; it writes the exponentials. Kept with one shift, the products read them as they
+    # are: the embeddings scaled by the rows' factor (fp32 read, bf16 written) and grad_e
+    # once more, and no pass over the logits.
+    factor = N * D * 4
     assert by_phase(keep_logits=True, fused_update=True) == {
+        "forward": (ROWS_BF16 + EMBEDDINGS, LOGITS, FLOPS),
+        "logit gradient": (factor, N * D * 2, 0),
+        "embedding product": (LOGITS + ROWS_BF16 + GRAD_E + factor, GRAD_E + factor, FLOPS),
+        "row product": (LOGITS + EMBEDDINGS, U, FLOPS),
+        # U, the rows and the momentum read; rows, momentum, norms and the copy written.
+        "update": (U + ROWS_FP32 + MOMENTUM, ROWS_FP32 + MOMENTUM + NORMS + ROWS_BF16, 0),
+    }
+    # With tile shifts (fp16 operands): one shift per row and 128-class tile written, and
+    # the exponentials rescaled in place.
+    assert by_phase(keep_logits=True, fused_update=True, one_shift=False) == {
         "forward": (ROWS_BF16 + EMBEDDINGS, LOGITS + 1 * N * 4, FLOPS),
         "logit gradient": (LOGITS, LOGITS, 0),  # rescaled in place
         "embedding product": (LOGITS + ROWS_BF16 + GRAD_E, GRAD_E, FLOPS),

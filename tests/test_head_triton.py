@@ -195,53 +195,104 @@ def test_tile_config_rejects_what_the_compiler_would_refuse():
         kernels.gpu_tiles(512, 132, "fp8")
 
 
-def test_kept_logits_and_recomputed_logits_agree(chunked, monkeypatch):
+@pytest.mark.parametrize("scale", [16.0, 80.0], ids=["one_shift", "tile_shifts"])
+def test_kept_logits_and_recomputed_logits_agree(scale, chunked, monkeypatch):
     # head.chunk_size None keeps the forward's exponentials for the backward, which reads
     # them (no recomputation kernel runs); a chunk size recomputes them. The same function:
-    # fp32 operands agree to 1e-6 of the largest entry (the kept ones are rescaled from
-    # their tile's running max, the recomputed ones shifted by the final max at once).
+    # fp32 operands agree to 1e-6 of the largest entry. Up to scale 66 they are kept with one
+    # shift for every class and the products read them as they are (no pass over them);
+    # above, shifted by their tile's running max and rescaled in place by _scale_kept_kernel.
     launched = {"recomputed": 0, "kept": 0}
     for name, key in (("_grad_logits_kernel", "recomputed"), ("_scale_kept_kernel", "kept")):
         kernel = getattr(gemm_backward, name)
         counted = CountedKernel(kernel, launched, key)
         monkeypatch.setattr(gemm_backward, name, counted)
     torch.manual_seed(5)
-    kept = ShardedMarginSoftmax(129, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
+    kept = ShardedMarginSoftmax(129, EMBEDDING_SIZE, ArcFace(s=scale), kernel="triton")
     recomputed = ShardedMarginSoftmax(
-        129, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton", chunk_size=7
+        129, EMBEDDING_SIZE, ArcFace(s=scale), kernel="triton", chunk_size=7
     )
     recomputed.load_state_dict(kept.state_dict())
     embeddings, labels = make_labels_with_duplicates(129, 7, seed=6)
     first = run_head(kept, embeddings, labels)
-    assert launched == {"recomputed": 0, "kept": 2}  # two chunks of one tile
+    passes = 0 if scale <= forward.FIXED_SHIFT_MAX_SCALE else 2  # two chunks of one tile
+    assert launched == {"recomputed": 0, "kept": passes}
     second = run_head(recomputed, embeddings, labels)
-    assert launched == {"recomputed": 2, "kept": 2}
+    assert launched == {"recomputed": 2, "kept": passes}
     for a, b in zip(first, second, strict=True):
         assert_close_rel(a, b.double(), 1e-6)
 
 
-def test_kept_logits_stay_within_their_tensors(monkeypatch):
+@pytest.mark.parametrize("scale", [16.0, 80.0], ids=["one_shift", "tile_shifts"])
+def test_kept_logits_stay_within_their_tensors(scale, monkeypatch):
     # The forward's last class split may run past the chunk's tiles (10 tiles in splits of
     # 3 here): those tiles store nothing. Guard values after each kept tensor must survive.
     guards = []
 
-    def guarded(probabilities, tile_shift, block_c):
+    def guarded(probabilities, tile_shift, block_c, fixed_shift=None):
         extended = []
         for tensor in (probabilities, tile_shift):
+            if tensor is None:  # one shift: no tile shifts
+                extended.append(None)
+                continue
             flat = torch.full((tensor.numel() + 4096,), float("nan"), dtype=tensor.dtype)
             guards.append((flat, tensor.numel()))
             extended.append(flat[: tensor.numel()].view(tensor.shape))
-        return kept_type(*extended, block_c)
+        return kept_type(*extended, block_c, fixed_shift)
 
     kept_type = forward.KeptLogits
     monkeypatch.setattr(forward, "KeptLogits", guarded)
     torch.manual_seed(8)
-    head = ShardedMarginSoftmax(1200, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
+    head = ShardedMarginSoftmax(1200, EMBEDDING_SIZE, ArcFace(s=scale), kernel="triton")
     embeddings, labels = make_labels_with_duplicates(1200, 7, seed=8)
     run_head(head, embeddings, labels)
-    assert len(guards) == 2
+    assert len(guards) == (1 if scale <= forward.FIXED_SHIFT_MAX_SCALE else 2)
     for flat, used in guards:
         assert torch.isnan(flat[used:]).all()
+
+
+def extreme_logits_head(scale: float, num_classes: int = 129):
+    """A CosFace head at `scale` whose rows all point near one direction, with norms from
+    1e-3 to 1e3, and a batch whose row 0 points away from every class (its non-target
+    logits all near -s), row 1 along them (near +s), the others at random."""
+    torch.manual_seed(11)
+    head = ShardedMarginSoftmax(num_classes, EMBEDDING_SIZE, CosFace(s=scale), kernel="triton")
+    direction = torch.nn.functional.normalize(torch.randn(EMBEDDING_SIZE), dim=0)
+    rows = direction + 0.05 * torch.randn(num_classes, EMBEDDING_SIZE)
+    norms = 10 ** torch.empty(num_classes, 1).uniform_(-3, 3)
+    with torch.no_grad():
+        head.weight.copy_(torch.nn.functional.normalize(rows, dim=1) * norms)
+    embeddings, labels = make_labels_with_duplicates(num_classes, 7, seed=12)
+    embeddings[0], embeddings[1] = -3.0 * direction, 2.0 * direction
+    return head, embeddings, labels
+
+
+@pytest.mark.parametrize("scale", [64.0, forward.FIXED_SHIFT_MAX_SCALE])
+def test_one_shift_keeps_every_logit_in_range_up_to_its_largest_scale(scale, chunked):
+    # Kept with one shift c (forward.fixed_shift), exp(logit - c) / |w| must neither
+    # underflow for a row whose logits are all near -s (each class then has about 1 / C of
+    # its probability) nor overflow for one near +s, with 1 / |w| from 1e-3 to 1e3: fp32
+    # operands against float64, bf16 ones against the torch path under autocast.
+    head, embeddings, labels = extreme_logits_head(scale)
+    assert forward.fixed_shift(scale, torch.float32) is not None
+    loss, grad_e, grad_w = run_head(head, embeddings, labels)
+    ref_loss, ref_grad_e, ref_grad_w, _ = reference_loss(
+        embeddings, head.weight, labels, scale, lambda t: torch.cos(t) - 0.4
+    )
+    assert_close_rel(loss, ref_loss, 1e-5)
+    assert_close_rel(grad_e, ref_grad_e, 1e-5)
+    assert_close_rel(grad_w, ref_grad_w, 1e-5)
+    # Row 0's gradient is not lost to an underflow: it is as large as the reference's.
+    assert grad_e[0].norm() == pytest.approx(ref_grad_e[0].norm().item(), rel=1e-5)
+    slow = ShardedMarginSoftmax(129, EMBEDDING_SIZE, CosFace(s=scale), kernel="torch")
+    slow.load_state_dict(head.state_dict())
+    results = []
+    for one in (head, slow):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results.append(run_head(one, embeddings, labels))
+    for fast_value, torch_value in zip(*results, strict=True):
+        assert torch.isfinite(fast_value).all()
+        assert_close_rel(fast_value, torch_value.double(), 2e-2)
 
 
 class CountedKernel:

@@ -10,11 +10,14 @@ The phases, in step order:
 
     forward             the rows rounded to the matmul dtype and their inverse norms, when
                         not kept; the forward kernel over every class (the rows and the
-                        embeddings read, the logits' exponentials and tile shifts written
-                        when kept)
-    logit gradient      G (N, K): the kept exponentials rescaled in place, or the logits
-                        recomputed from the rows (rounded again) and G written
-    embedding product   grad_e += G @ W, a chunk at a time (grad_e read and written per chunk)
+                        embeddings read, the logits' exponentials written when kept, and
+                        their tile shifts without one shift)
+    logit gradient      G (N, K): kept with one shift, nothing of it (the embeddings scaled
+                        by each row's factor instead, N x D); kept with tile shifts, the
+                        exponentials rescaled in place; else the logits recomputed from the
+                        rows (rounded again) and G written
+    embedding product   grad_e += G @ W, a chunk at a time (grad_e read and written per chunk;
+                        once more for the rows' factor with one shift)
     row product         U = G^T @ E (K, D), in bf16 with bf16 operands, else fp32
     update              the epilogue: U and the rows read, the radial part removed; with the
                         fused update the momentum read and written, the rows written, and
@@ -84,6 +87,10 @@ class HeadShape:
     u_bytes: int = 2
     """Bytes per value of U, the row product's output: 2 with bf16 operands, 4 with fp16 or
     fp32 ones."""
+    one_shift: bool = True
+    """Kept logits with one shift for every class (`forward.fixed_shift`: bf16 and fp32
+    operands up to scale 66), which the products read as they are; else with tile shifts
+    (fp16 operands), rescaled in a pass over them."""
 
 
 def step_traffic(shape: HeadShape) -> list[Phase]:
@@ -106,16 +113,19 @@ def step_traffic(shape: HeadShape) -> list[Phase]:
     if rounds and not copy_kept:
         forward_read += rows_weight
         forward_written += rows_mm
+    one_shift = s.keep_logits and s.one_shift
     if s.keep_logits:
-        forward_written += logits + (-(-k // 128)) * n * 4
+        forward_written += logits + (0 if one_shift else (-(-k // 128)) * n * 4)
     phases = [Phase("forward", forward_read, forward_written, 2 * n * k * d)]
-    if s.keep_logits:
+    if one_shift:
+        phases.append(Phase("logit gradient", n * d * 4, n * d * mb, 0))
+    elif s.keep_logits:
         phases.append(Phase("logit gradient", logits, logits, 0))
     else:
         recompute_read = rows_mm + chunks * n * d * mb + (rows_weight if rounds else 0)
         recompute_written = logits + (rows_mm if rounds else 0)
         phases.append(Phase("logit gradient", recompute_read, recompute_written, 2 * n * k * d))
-    accumulate = chunks * n * d * 4
+    accumulate = (chunks + (1 if one_shift else 0)) * n * d * 4
     phases.append(Phase("embedding product", logits + rows_mm + accumulate, accumulate,
                         2 * n * k * d))  # fmt: skip
     u = k * d * s.u_bytes

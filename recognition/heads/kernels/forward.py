@@ -24,14 +24,18 @@ masked to -inf, then an online max / sum-exp in fp32. Each split of each chunk w
 partial statistics (N,); a small last step (`_combine`) folds them together, so that one
 row of statistics never serialises the whole shard onto one program.
 
-With `keep` (head.chunk_size None) each tile also stores exp(logit - shift) in the matmul
-dtype, shift being its program's running max once the tile is in, and the shift (N,) per
-tile, fp32: the backward rescales them to the final max (exp(shift - max) <= 1) instead of
-recomputing the logits. The tile goes out through a tensor descriptor of the chunk's
-columns (`kept_buffer` pads the rows to the 16-byte stride it needs): on sm_90 a TMA store
-from shared memory, which leaves the registers to the product, so the keeping forward runs
-on the forward's tiles (`TileConfig.forward_keep`; tiles.py has ptxas's figures); stored
-through a tensor of 64-bit addresses it needed 222 registers at half the rows.
+With `keep` (head.chunk_size None) each tile also stores its exponentials in the matmul
+dtype for the backward, which then reads them instead of recomputing the logits
+(`KeptLogits`): with bf16 and fp32 operands exp(logit - c) / |w| for one shift c of the
+whole step (`fixed_shift`, from the scale: every value in range), which the backward's
+products take as they are; with fp16 operands exp(logit - shift), shift being its
+program's running max once the tile is in, and the shift (N,) per tile, fp32, which the
+backward rescales to the final max (exp(shift - max) <= 1) in a pass over them. The tile
+goes out through a tensor descriptor of the chunk's columns (`kept_buffer` pads the rows to
+the 16-byte stride it needs): on sm_90 a TMA store from shared memory, which leaves the
+registers to the product, so the keeping forward runs on the forward's tiles
+(`TileConfig.forward_keep`; tiles.py has ptxas's figures); stored through a tensor of 64-bit
+addresses it needed 222 registers at half the rows.
 
 Import this module only when the kernels are needed: `triton.jit` reads TRITON_INTERPRET at
 import time.
@@ -60,8 +64,8 @@ CHUNK_ROW_VALUES = 1 << 25
 @triton.jit
 def _forward_kernel(
     W, E, INV_NORM, TARGET, PART_MAX, PART_SUM, KEPT, TILE_SHIFT,
-    num_classes, num_rows, dim, stride_wc, stride_en, scale, tiles_per_split,
-    KEEP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+    num_classes, num_rows, dim, stride_wc, stride_en, scale, tiles_per_split, fixed_shift,
+    KEEP: tl.constexpr, FIXED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, D_PAD: tl.constexpr, MM_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
@@ -77,20 +81,33 @@ def _forward_kernel(
             D_PAD, MM_DTYPE, INPUT_PRECISION, UPCAST,
         )  # fmt: skip
         logits = _logits(raw, inv_norm, offs_c, c_mask, target, scale)
-        new_max = tl.maximum(row_max, tl.max(logits, axis=1))
-        # A row whose entries so far are all masked has max -inf: shift by 0, not by -inf.
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        probabilities = tl.exp(logits - shift[:, None])  # 0 at the target and the padding
-        row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(probabilities, 1)
-        row_max = new_max
-        if KEEP:  # for the backward: exp(logit - shift) in the matmul dtype, and the shift
-            # Through the tensor descriptor of the chunk's columns (a TMA store from shared
-            # memory on sm_90): rows and classes past its shape are not written, and its
-            # coordinates are not offsets (no 32-bit overflow at 1,024 rows x 10M classes).
-            KEPT.store([tl.program_id(0) * BLOCK_N, tile * BLOCK_C], probabilities.to(MM_DTYPE))
-            # The last split may run past the chunk's tiles: those store nothing.
-            in_chunk = n_mask & (tile * BLOCK_C < num_classes)
-            tl.store(TILE_SHIFT + tile.to(tl.int64) * num_rows + offs_n, shift, mask=in_chunk)
+        if FIXED:  # one shift for every tile (KeptLogits): summed as they come, no rescaling
+            exps = tl.exp(logits - fixed_shift)  # 0 at the target and the padding
+            row_sum += tl.sum(exps, 1)
+            row_max = tl.maximum(row_max, tl.max(logits, axis=1))
+            # With the class's 1 / |w| already in: the backward's products read them as is.
+            KEPT.store([tl.program_id(0) * BLOCK_N, tile * BLOCK_C],
+                       (exps * inv_norm[None, :]).to(MM_DTYPE))  # fmt: skip
+        else:
+            new_max = tl.maximum(row_max, tl.max(logits, axis=1))
+            # A row whose entries so far are all masked has max -inf: shift by 0, not -inf.
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            probabilities = tl.exp(logits - shift[:, None])  # 0 at the target and the padding
+            row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(probabilities, 1)
+            row_max = new_max
+            if KEEP:  # for the backward: exp(logit - shift) in the matmul dtype, and the shift
+                # Through the tensor descriptor of the chunk's columns (a TMA store from
+                # shared memory on sm_90): rows and classes past its shape are not written,
+                # and its coordinates are not offsets (no 32-bit overflow at 1,024 rows x 10M
+                # classes).
+                KEPT.store([tl.program_id(0) * BLOCK_N, tile * BLOCK_C],
+                           probabilities.to(MM_DTYPE))  # fmt: skip
+                # The last split may run past the chunk's tiles: those store nothing.
+                in_chunk = n_mask & (tile * BLOCK_C < num_classes)
+                tl.store(TILE_SHIFT + tile.to(tl.int64) * num_rows + offs_n, shift, mask=in_chunk)
+    if FIXED:  # the sum relative to the row's max, as _combine takes it (0 with no class)
+        found = tl.where(row_max == float("-inf"), fixed_shift, row_max)
+        row_sum = row_sum * tl.exp(fixed_shift - found)
     out = pid_s * num_rows + offs_n
     tl.store(PART_MAX + out, row_max, mask=n_mask)
     tl.store(PART_SUM + out, row_sum, mask=n_mask)
@@ -117,17 +134,46 @@ def _combine(part_max: Tensor, part_sum: Tensor) -> tuple[Tensor, Tensor]:
     return row_max, (part_sum * torch.exp(part_max - shift)).sum(dim=0)
 
 
+# A fixed shift keeps every kept value in range up to this scale (`fixed_shift`).
+FIXED_SHIFT_MAX_SCALE = 66.0
+
+
+def fixed_shift(scale: float, matmul_dtype: torch.dtype) -> float | None:
+    """The one shift c of the kept exponentials exp(logit - c) for every class (see
+    `KeptLogits`), or None where none keeps them in range (fp16 operands, or a scale above
+    FIXED_SHIFT_MAX_SCALE): then each tile is shifted by its running max.
+
+    A non-target logit is s cos, in [-s, s], so exp(logit - c) lies in [exp(-s - c),
+    exp(s - c)]. c = min(s, 72 - s) keeps the bottom at or above exp(-72) (bf16 and fp32 go
+    down to exp(-87) before their subnormals, which leaves 1 / |w| down to exp(-15) room) and
+    the top at exp(2 s - 72) <= exp(60) (times 1 / |w| <= 1 / eps = 1e12, exp(27.6), under
+    fp32's and bf16's exp(88.7); a sum over 10^8 classes of values below exp(60) stays in
+    fp32 too). The backward's row factor exp(c - max) <= exp(c + s) <= exp(72) as well."""
+    if matmul_dtype == torch.float16 or scale > FIXED_SHIFT_MAX_SCALE:
+        return None
+    return float(min(scale, 72.0 - scale))
+
+
 @dataclass
 class KeptLogits:
-    """What the forward keeps for the backward when asked (`class_stats(keep=True)`): the
-    exponentials exp(logit - shift) (N, K) in the matmul dtype, shifted by the running max
-    of their program's split when the tile was reached, and those shifts, (tiles, N) fp32
-    (tile t covers positions [t * block_c, (t + 1) * block_c)). The backward rescales them
-    to the final max: exp(logit - max) = kept * exp(shift_t - max), each factor <= 1."""
+    """What the forward keeps for the backward when asked (`class_stats(keep=True)`), (N, K)
+    in the matmul dtype, in one of two forms:
+
+    - `fixed_shift` c (bf16 and fp32 operands, `fixed_shift`): exp(logit - c) / |w_j|, one
+      shift for every class. The gradient of the logits is then kept * r_i with a factor per
+      row alone, r_i = g_i s exp(c - max_i), so the backward's products read the kept values
+      as they are (the factor goes on the embeddings' side) and no pass over them runs.
+      `tile_shift` is None.
+    - else (fp16 operands, whose range is too narrow for one shift): exp(logit - shift_t),
+      shifted by the running max of their program's split when tile t was reached, and
+      those shifts, `tile_shift` (tiles, N) fp32 (tile t covers positions [t * block_c,
+      (t + 1) * block_c)). The backward rescales them to the final max in place: exp(logit
+      - max) = kept * exp(shift_t - max), each factor <= 1."""
 
     probabilities: Tensor
-    tile_shift: Tensor
+    tile_shift: Tensor | None
     block_c: int
+    fixed_shift: float | None = None
 
 
 def class_stats(
@@ -165,12 +211,15 @@ def class_stats(
     target_pos = target_pos.to(torch.int32)
     row_blocks = triton.cdiv(num_rows, kernel_tiles.block_n)
     kept = None
+    shift = fixed_shift(scale, matmul_dtype) if keep else None
     if keep:
+        tile_shift = None
+        if shift is None:
+            tile_shift = norm_embeddings.new_empty((triton.cdiv(num_classes, block_c), num_rows))
         kept = KeptLogits(
             kept_buffer(num_rows, num_classes, matmul_dtype, norm_embeddings.device),
-            norm_embeddings.new_empty((triton.cdiv(num_classes, block_c), num_rows)),
-            block_c,
-        )
+            tile_shift, block_c, shift,
+        )  # fmt: skip
     chunk = host.chunk_classes(num_classes, block_c, CHUNK_ROW_VALUES // max(dim, 1))
     parts = []
     for first in range(0, num_classes, chunk):
@@ -188,13 +237,14 @@ def class_stats(
             columns = TensorDescriptor.from_tensor(
                 kept.probabilities[:, first:end], [kernel_tiles.block_n, block_c]
             )
-            kept_args = (columns, kept.tile_shift[first // block_c :])
+            shifts = part_max if kept.tile_shift is None else kept.tile_shift[first // block_c :]
+            kept_args = (columns, shifts)
         # Positions within the chunk: a target elsewhere matches none of its classes.
         launch(_forward_kernel, (row_blocks, num_splits),
             chunk_rows, mm_embeddings, inv_norm[first:end], target_pos - first, part_max,
             part_sum, *kept_args, end - first, num_rows, dim, chunk_rows.stride(0),
-            mm_embeddings.stride(0), float(scale), per_split,
-            KEEP=kept is not None, **settings,
+            mm_embeddings.stride(0), float(scale), per_split, shift or 0.0,
+            KEEP=kept is not None, FIXED=shift is not None, **settings,
         )  # fmt: skip
         del chunk_rows
         parts.append((part_max, part_sum))

@@ -7,13 +7,19 @@ to the matmul dtype as the forward had them (`host.RowSource`):
 
 1. G, (N, K_c) in the matmul dtype: d loss / d <e_i, w_j> = exp(logit - max) g_i s / |w_j|
    (0 at the row's target and padding). When the forward kept its exponentials
-   (`forward.KeptLogits`, head.chunk_size None), `_scale_kept_kernel` turns the chunk's
-   columns of them into G in place, one pass over memory (kept * exp(shift_t - max) g s /
-   |w|). Otherwise `_grad_logits_kernel`, grid (row blocks, class tiles), on the forward's
-   tiles, recomputes each tile's raw dot products <e_i, w_j> (the forward's K-loop, the
-   same fp32 accumulation of matmul-dtype operands) and writes G to a chunk's buffer.
+   (`forward.KeptLogits`, head.chunk_size None) with one shift c (bf16 and fp32 operands),
+   they are G up to a factor per row: kept = exp(logit - c) / |w|, G = diag(r) kept with
+   r = g s exp(c - max) (`_row_factor`), and nothing runs here; r goes on the embeddings'
+   side of the products below. Kept with tile shifts (fp16), `_scale_kept_kernel` turns the
+   chunk's columns of them into G in place, one pass over memory (kept * exp(shift_t - max)
+   g s / |w|). Otherwise `_grad_logits_kernel`, grid (row blocks, class tiles), on the
+   forward's tiles, recomputes each tile's raw dot products <e_i, w_j> (the forward's
+   K-loop, the same fp32 accumulation of matmul-dtype operands) and writes G to a chunk's
+   buffer.
 2. grad_e += G @ W_c and U = G^T @ E: two matmuls of the matmul dtype accumulated in fp32,
-   W_c the chunk's rounded rows and E the normalised embeddings rounded likewise. grad_e,
+   W_c the chunk's rounded rows and E the normalised embeddings rounded likewise (with one
+   shift: grad_e += kept @ W_c, scaled by r once at the end, and U = kept^T @ (diag(r) E),
+   the scaled embeddings rounded once for the step). grad_e,
    summed over the chunks, is returned in fp32 (`torch.mm(..., out_dtype=torch.float32)`
    on a GPU); U, final per chunk, in bf16 with bf16 operands (`row_product`): half the
    bytes of the row product's output and of the epilogue's read, and the rounding the
@@ -31,8 +37,8 @@ A step then costs three products of N x C_local x D multiply-adds (the forward a
 products, 6 N C_local D FLOPs) with the logits kept, four (8 N C_local D) when they are
 recomputed, each at a matmul's full tile size. What it adds is
 memory traffic (`heads/traffic.py` counts it per phase), per chunk: G written once (or the
-kept exponentials read and written) and read twice, U written and read once (bf16 or
-fp32), the chunk's
+kept exponentials, read and written with tile shifts, not at all with one shift) and read
+twice, U written and read once (bf16 or fp32), the chunk's
 rows rounded unless kept - and memory: U and, recomputing, G and the rounded rows of one
 chunk (64 + 128 + 64 MiB at N 1024, D 512, bf16), or, keeping, the exponentials of every class.
 
@@ -223,11 +229,21 @@ def backward(inputs: BackwardInputs, tiles: TileConfig) -> tuple[Tensor, Tensor 
     g = None
     if x.kept is None:  # the gradient of the logits, recomputed a chunk at a time
         g = x.norm_embeddings.new_empty((num_rows, chunk), dtype=x.matmul_dtype)  # (N, K_c)
+    # Kept with one shift (forward.KeptLogits): G = diag(r) kept, so the products read the
+    # kept values as they are, r on the embeddings' side: grad_e = diag(r) (kept @ W) and
+    # U = kept^T @ (diag(r) E).
+    row_factor = _row_factor(x) if x.kept is not None and x.kept.fixed_shift is not None else None
+    u_embeddings = x.mm_embeddings
+    if row_factor is not None:
+        with phase("logit gradient"):
+            u_embeddings = (x.norm_embeddings * row_factor[:, None]).to(x.matmul_dtype)
     for first in range(0, num_classes, chunk):
         end = min(first + chunk, num_classes)
         with phase("logit gradient"):
             rows = x.rows.chunk(first, end)  # (K_c, D), rounded
-            if g is None:
+            if row_factor is not None:
+                g_chunk = x.kept.probabilities[:, first:end]  # G up to its row factor
+            elif g is None:
                 g_chunk = _scale_kept(x, first, end)
             else:
                 g_chunk = _recompute(x, rows, g, first, end, settings)
@@ -236,10 +252,20 @@ def backward(inputs: BackwardInputs, tiles: TileConfig) -> tuple[Tensor, Tensor 
         del rows
         if x.want_rows:
             with phase("row product"):
-                u = row_product(g_chunk, x.mm_embeddings)  # (K_c, D): g / |w| of its rows
+                u = row_product(g_chunk, u_embeddings)  # (K_c, D): g / |w| of its rows
             with phase("update"):
                 _finish(x, u, grad_w, first, end)
+    if row_factor is not None:
+        with phase("embedding product"):
+            grad_e *= row_factor[:, None]
     return grad_e, grad_w
+
+
+def _row_factor(x: BackwardInputs) -> Tensor:
+    """r (N,) fp32: the gradient of the logits is kept * r for values kept with one shift c,
+    exp(logit - c) / |w|: r = g s exp(c - max), 0 for a row with no class (nothing kept)."""
+    factor = x.grad_scale * torch.exp(x.kept.fixed_shift - x.shift)
+    return torch.where(torch.isfinite(x.row_max), factor, 0.0)
 
 
 def _recompute(
