@@ -339,6 +339,31 @@ def test_fused_optimizer_skips_on_the_device_from_its_first_step(level, dtype, n
         assert torch.equal(mine, fresh)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "host_read"])
+def test_the_optimizer_steps_at_the_float32_value_of_its_rate(fused) -> None:
+    """A captured step (recognition.training.graphed) reads its rates from float32 device
+    tensors; on a GPU torch's fused kernels take a float rate as a double, so 0.1 and 0.1f
+    move some weights by their last bit differently, and the eager step must step at the
+    float32 value too for the two to be one function. The schedule's floats come back."""
+    images, labels = make_data()
+    if fused:
+        model, head, precision, optimizer = build_fused("O1", "bf16", "sgd")
+    else:  # plain SGD: stepped after a host read of the flag
+        model, head, precision, optimizer = build("O1", "bf16")
+    rates = [0.1, 1 / 3]
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    seen = []
+    optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: seen.append([group["lr"] for group in opt.param_groups])
+    )
+    assert train_step(model, head, precision, optimizer, images, labels).stepped
+    # What a tensor of the rate holds (a captured step's), and not the float itself.
+    as_tensors = [torch.full((), rate, dtype=torch.float32).item() for rate in rates]
+    assert seen == [as_tensors] and as_tensors != rates
+    assert [group["lr"] for group in optimizer.param_groups] == rates
+
+
 def test_o2_grads_reach_masters_and_zero_grad_clears_both() -> None:
     model, head, precision, optimizer = build("O2", "bf16", lr=0.0)
     images, labels = make_data()

@@ -10,10 +10,19 @@ is handed the flag as its `found_inf` and leaves every parameter and every state
 before its first step, since on a skipped first step it would keep uninitialised ones. The
 caller sees the flag in `StepResult.stepped`, a device tensor. Another optimizer is stepped
 or not by a host read of the flag: one sync per step.
+
+The optimizer steps at its rates rounded to float32 (`float32_rates`): what a captured step
+(`recognition.training.graphed`) reads from the float32 device tensors that hold them, so
+that eager and captured steps are the same function bit for bit. (torch's fused CUDA kernels
+take a float rate as a double, a tensor one as float32: 0.1 and 0.1f move some weights by
+their last bit differently. On a CPU both are rounded to float32 anyway.)
 """
 
 from __future__ import annotations
 
+import contextlib
+import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -70,11 +79,13 @@ class MaskedUpdate:
             optimizer.found_inf = (~ok).to(torch.float32)  # type: ignore[attr-defined]
             optimizer.grad_scale = None  # type: ignore[attr-defined]
             try:
-                optimizer.step()
+                with float32_rates(optimizer):
+                    optimizer.step()
             finally:
                 del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
         elif bool(ok):  # an optimizer that cannot skip on the device: one host read
-            optimizer.step()
+            with float32_rates(optimizer):
+                optimizer.step()
 
     def _skips_on_device(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether `optimizer` can be handed a skip flag (a fused torch optimizer), making
@@ -86,6 +97,27 @@ class MaskedUpdate:
                 ready = _zero_momentum_buffers(optimizer)
             self._device_skipping[key] = ready
         return self._device_skipping[key]
+
+
+def float32_value(value: float) -> float:
+    """`value` rounded to the nearest float32 (as a tensor's fill rounds it), as a float."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+@contextlib.contextmanager
+def float32_rates(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Within the block, each group's float lr is its float32 value (see the module
+    docstring); the floats the schedule set (and checkpoints hold) come back after it. A
+    group whose lr is a tensor (a captured step's) is left as it is."""
+    kept = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], float):
+            group["lr"] = float32_value(group["lr"])
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, kept, strict=True):
+            group["lr"] = lr
 
 
 @torch.no_grad()

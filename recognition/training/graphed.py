@@ -244,7 +244,8 @@ def _device_of(group: dict) -> torch.device:
 
 def _lr_tensor(lr: float | Tensor, device: torch.device) -> Tensor:
     """A 0-dim float32 tensor of `lr` on `device`: what fused SGD and AdamW read their rate
-    from on a GPU (float32: the CUDA kernels read it as such, and round a float lr to it)."""
+    from in a captured step (the CUDA kernels read it as float32). The eager step steps at
+    the same float32 value (`recognition.precision.update.float32_rates`)."""
     return torch.full((), float(lr), dtype=torch.float32, device=device)
 
 
