@@ -296,13 +296,15 @@ def _tile_rows(run: SectionRun) -> None:
             f"{_tiles(entry['tiles'])}: {best['ms']:.3f} ms; the table's {_tiles(table['tiles'])}"
         )
         text += f": {table['ms']:.3f} ms" if table["ms"] is not None else ": did not run"
-        update = key.get("update", "none")
         what = f"tiles of {key['kernel']} (D {key['dim']}, N {key['rows']}, {key['operands']}"
-        what += f", {update} update)" if update != "none" else ")"
+        what += ", the fused update)" if key["kernel"] == "finish" else ")"
         run.add(what, text, chosen=entry["tiles"], timings=timings)
 
 
 def _tiles(tiles: dict) -> str:
+    """A kernel's tiles as heads/tuning/tiles.describe writes them (from the cache's dict)."""
+    if "values" in tiles:  # the row epilogue's
+        return f"{tiles['values']} values w{tiles['num_warps']}"
     return (f"{tiles['block_c']}x{tiles['block_n']}x{tiles['block_d']} w{tiles['num_warps']} "
             f"s{tiles['num_stages']}")  # fmt: skip
 

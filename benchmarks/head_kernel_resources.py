@@ -258,8 +258,11 @@ def measure(
     num_rows: int = 1024,
     num_sms: int = 132,
     variants: list[str] | None = None,
+    finish_candidates: bool = False,
 ) -> list[Resources]:
-    """Resources of every kernel variant (or those named in `variants`) per configuration."""
+    """Resources of every kernel variant (or those named in `variants`) per configuration;
+    `finish_candidates`: instead, the row epilogue's variants that hold the most (the fused
+    update with Nesterov momentum, keeping the rows' copy) at every tile the tuner tries."""
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("triton was imported to interpret kernels: run this in a new process")
     os.environ.pop("TRITON_INTERPRET", None)
@@ -267,10 +270,36 @@ def measure(
     # A cache of its own, so that ptxas runs and reports (a cache hit skips it).
     with tempfile.TemporaryDirectory(prefix="head-kernel-resources-") as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
-        return _measure(dims, weight_dtypes, matmul_dtypes, capability, num_rows, num_sms, variants)
+        return _measure(dims, weight_dtypes, matmul_dtypes, capability, num_rows, num_sms,
+                        variants, finish_candidates)  # fmt: skip
 
 
-def _measure(dims, weight_dtypes, matmul_dtypes, capability, num_rows, num_sms, variants):
+def epilogue_candidates(launches: list[Launch], dim: int) -> list[Launch]:
+    """The row epilogue's launches that hold the most (fused Nesterov momentum, the rows'
+    copy kept), one per tile the tuner tries (heads/tuning/tiles.py: the table's and
+    FINISH_CANDIDATES)."""
+    import dataclasses
+
+    from recognition.heads.kernels import margin_softmax_triton as kernels
+    from recognition.heads.tuning.tiles import finish_candidates
+
+    heaviest = [x for x in launches if x.name.startswith("finish") and "nesterov" in x.name
+                and "keep_rows" in x.name]  # fmt: skip
+    d_pad = kernels.padded_dim(dim)
+    return [
+        dataclasses.replace(
+            x,
+            constexprs={**x.constexprs, "BLOCK_C": tiles.block_c(d_pad)},
+            num_warps=tiles.num_warps,
+        )  # fmt: skip
+        for x in heaviest
+        for tiles in finish_candidates(kernels.FINISH_TILES)
+    ]
+
+
+def _measure(
+    dims, weight_dtypes, matmul_dtypes, capability, num_rows, num_sms, variants, finish_candidates
+):
     import torch
 
     results = []
@@ -285,6 +314,8 @@ def _measure(dims, weight_dtypes, matmul_dtypes, capability, num_rows, num_sms, 
                 launches = launches_for(
                     dim, weight_dtype, matmul_name, num_rows, num_sms, capability
                 )
+                if finish_candidates:
+                    launches = epilogue_candidates(launches, dim)
                 for launch in launches:
                     if variants is not None and launch.name not in variants:
                         continue
@@ -346,10 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1024, help="global batch N")
     parser.add_argument("--sms", type=int, default=132, help="SMs of the GPU (grid sizes)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--finish-candidates", action="store_true",
+                        help="the row epilogue at every tile the tuner tries instead")  # fmt: skip
     args = parser.parse_args(argv)
     results = measure(
         args.dims, args.weight_dtypes, args.matmul_dtypes, capability=args.capability,
         num_rows=args.rows, num_sms=args.sms, variants=args.variants,
+        finish_candidates=args.finish_candidates,
     )  # fmt: skip
     print_table(results)
     if args.json is not None:

@@ -1012,3 +1012,40 @@ def test_a_model_row_in_a_process_of_its_own_returns_the_measurement_or_the_caus
     monkeypatch.setattr(common, "run_command", failing)
     with pytest.raises(RuntimeError, match="^torch.AcceleratorError: CUDA error: operation"):
         gpu_throughput.model_in_a_process(run, plan, [*base, "train.compile=false"], 240)
+
+
+def test_the_tiles_rows_name_each_kernel_the_tuner_timed(tmp_path, monkeypatch):
+    """The head section's rows of tiles chosen by timing, from a tuning cache that the tuner
+    wrote (timings stubbed, as on a GPU): the forward's entry and, with the fused update,
+    the row epilogue's, whose tiles are values a program and warps."""
+    import torch
+
+    from benchmarks.gpu_section_run import SectionRun
+    from recognition.heads import triton_stats
+    from recognition.heads.tuning import measure
+    from recognition.heads.tuning import tiles as tiling
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(tiling, "_TUNED", {})
+    monkeypatch.setattr(tiling, "_CONFIGS", {})
+    monkeypatch.setattr(tiling, "should_tune", lambda device, shape: True)
+    kernels = triton_stats.triton_kernels()
+    forward = [kernels.KernelTiles(16, 16, 16, 1, 1), kernels.KernelTiles(32, 16, 16, 1, 1)]
+    monkeypatch.setattr(kernels, "default_tiles", lambda *args: kernels.TileConfig(forward[0], 4))
+    monkeypatch.setattr(tiling, "candidates", lambda *args: forward)
+    monkeypatch.setattr(tiling, "finish_candidates",
+                        lambda table: [table, kernels.FinishTiles(64, 1)])  # fmt: skip
+    answers = iter([2e-3, 1e-3, 3e-3, 1e-3])
+    shape = tiling.TuneShape(16, 24, 40, torch.float32, torch.float32, fused_update=True)
+    cpu = torch.device("cpu")
+    tiling.tiles_for(cpu, shape, measure.TuningCache(), lambda run: next(answers))
+    info = {"gpus": 1, "device": measure.device_name(cpu)}
+    run = SectionRun("head", False, info, time.monotonic() + 60, tmp_path / "rows.json")
+    gpu_sections._tile_rows(run)
+    rows = {row["what"]: row["result"] for row in run.rows}
+    assert rows == {
+        "tiles of forward (D 24, N 16, fp32)":
+            "32x16x16 w1 s1: 1.000 ms; the table's 16x16x16 w1 s1: 2.000 ms",
+        "tiles of finish (D 24, N 16, fp32, the fused update)":
+            "64 values w1: 1.000 ms; the table's 8192 values w8: 3.000 ms",
+    }  # fmt: skip

@@ -19,6 +19,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import dataclasses  # noqa: E402
 import logging  # noqa: E402
 
 import pytest  # noqa: E402
@@ -170,6 +171,42 @@ def test_gpu_shaped_tiles_match_torch_path_and_fused_update(sample_rate, monkeyp
     initial = fast.weight.detach().clone()
     step_heads(((fast, fast_opt), (slow, slow_opt)), embeddings, labels)
     assert_moved_alike(fast, slow, initial)
+
+
+def test_the_row_epilogue_steps_the_rows_alike_on_any_of_its_tiles(monkeypatch):
+    # The epilogue's tiles (values a program holds, warps) are the tuner's to choose: each
+    # class row is stepped on its own, so other tiles step the rows and their momentum alike
+    # (bit for bit here, where the interpreter sums each row over D in one order; on a GPU
+    # the sum's order follows the warps). The tiles are honoured: 2 class rows a program.
+    kernels = triton_stats.triton_kernels()
+    blocks = []
+    real = gemm_backward._finish_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                blocks.append(kwargs["BLOCK_C"])
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(gemm_backward, "_finish_kernel", Recorded())
+    results = []
+    for finish in (kernels.FINISH_TILES, kernels.FinishTiles(64, 1)):
+        config = dataclasses.replace(kernels.INTERPRETER_TILES, finish=finish)
+        monkeypatch.setattr(kernels, "default_tiles", lambda *args, config=config: config)
+        torch.manual_seed(13)
+        head = ShardedMarginSoftmax(129, EMBEDDING_SIZE, ArcFace(s=16.0), kernel="triton")
+        optimizer = torch.optim.SGD(head.parameters(), lr=0.5, momentum=0.9, weight_decay=5e-4)
+        head.attach_fused_update(optimizer)
+        embeddings, labels = make_labels_with_duplicates(129, 33, seed=14)
+        for _ in range(2):
+            step_heads(((head, optimizer),), embeddings, labels)
+        buffer = optimizer.state[head.weight]["momentum_buffer"]
+        results.append((head.weight.detach().clone(), buffer.clone()))
+    assert set(blocks) == {kernels.FINISH_TILES.values // 32, 2}  # D 24 padded to 32
+    for first, second in zip(*results, strict=True):
+        assert torch.equal(first, second)
 
 
 def test_tile_config_rejects_what_the_compiler_would_refuse():

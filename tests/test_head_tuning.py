@@ -314,6 +314,50 @@ def test_tuning_keeps_the_fastest_candidate_that_runs(tiling, kernel):
     assert timings[2]["error"] == "RuntimeError: OutOfResources: out of resource: shared memory"
 
 
+def test_the_row_epilogue_is_timed_on_its_candidates_and_the_fastest_kept(tiling):
+    # With the fused update the backward's row epilogue (its tiles: values a program holds,
+    # warps) is timed too: each candidate launches the epilogue over the scratch classes with
+    # its own classes per program and warps, as a fused update with momentum runs it (the
+    # scratch rows and momentum move), and the fastest that runs is kept.
+    kernels = triton_stats.triton_kernels()
+    gemm_backward = importlib.import_module("recognition.heads.kernels.gemm_backward")
+    table = kernels.TileConfig(kernels.KernelTiles(16, 16, 16, 1, 1), target_programs=4)
+    options = tiling.finish_candidates(table.finish)
+    assert options[0] == table.finish and len(set(options)) == len(options) > 2
+    for tiles in options:
+        tiles.check("candidate")
+        assert tiles.values // (32 * tiles.num_warps) <= 32  # values per thread, as the table
+    shape = small_shape(tiling, fused_update=True, keeps_logits=True, matmul_dtype=torch.bfloat16)
+    assert shape.kernels == ["forward_keep", "finish"]
+    problem = tiling.ScratchProblem(torch.device("cpu"), shape)
+    launches = []
+    real = gemm_backward._finish_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid[0], kwargs["BLOCK_C"], kwargs["num_warps"]))
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    before = problem.weight.clone()
+    small, large = kernels.FinishTiles(64, 1), kernels.FinishTiles(512, 2)
+    answers = iter([2e-3, 1e-3])
+    gemm_backward._finish_kernel = Recorded()
+    try:
+        best, timings = tiling.tune_kernel(
+            "finish", problem, table, lambda run: run() or next(answers), [small, large]
+        )
+    finally:
+        gemm_backward._finish_kernel = real
+    assert best == large and [t["ms"] for t in timings] == [2.0, 1.0]
+    # 40 classes at D 24 (padded to 32): 2 and then 16 class rows a program.
+    assert launches == [(20, 2, 1), (3, 16, 2)]
+    assert not torch.equal(problem.weight, before)  # the update ran: the rows moved
+    assert problem._update[0].sgd.momentum_buffer.abs().sum() > 0
+
+
 def test_tiles_are_timed_once_then_cached_per_shape(tiling, tmp_path, monkeypatch, caplog):
     kernels = triton_stats.triton_kernels()
     tiles = [kernels.KernelTiles(16, 16, 16, 1, 1), kernels.KernelTiles(32, 16, 16, 1, 1)]
@@ -346,13 +390,24 @@ def test_tiles_are_timed_once_then_cached_per_shape(tiling, tmp_path, monkeypatc
     keeping = tiling.tiles_for(cpu, small_shape(tiling, keeps_logits=True), cache, timer)
     assert len(times) == 8
     assert keeping == kernels.TileConfig(tiles[0], 4, forward_keep=tiles[1])
+    # With the fused update the row epilogue too (its own candidates), cached by its kernel.
+    finishes = [kernels.FinishTiles(64, 1), kernels.FinishTiles(128, 1)]
+    monkeypatch.setattr(tiling, "finish_candidates", lambda *args: finishes)
+    fused = tiling.tiles_for(cpu, small_shape(tiling, fused_update=True), cache, timer)
+    assert len(times) == 10  # the forward's as before (its key), the epilogue's timed
+    assert fused == kernels.TileConfig(tiles[1], 4, forward_keep=tiles[0], finish=finishes[1])
+    assert [e["key"]["kernel"] for e in cache.entries("tiles")].count("finish") == 1
+    monkeypatch.setattr(tiling, "_TUNED", {})
+    monkeypatch.setattr(tiling, "_CONFIGS", {})
+    again = tiling.tiles_for(cpu, small_shape(tiling, fused_update=True), cache, timer)
+    assert again == fused and len(times) == 10  # both read from the cache
 
     cache.path("tiles").write_text("{truncated")
     monkeypatch.setattr(tiling, "_TUNED", {})
     monkeypatch.setattr(tiling, "_CONFIGS", {})
     with caplog.at_level(logging.WARNING, logger=tuning.__name__):
         tiling.tiles_for(cpu, small_shape(tiling), tuning.TuningCache(tmp_path), timer)
-    assert len(times) == 10
+    assert len(times) == 12
     assert any("ignoring the tuning cache" in r.getMessage() for r in caplog.records)
 
 

@@ -225,13 +225,29 @@ def check_tuned_tiles(sizes: Sizes, device: torch.device) -> str:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             got, want = step(fast, embeddings, labels), step(slow, embeddings, labels)
         entries = TuningCache(folder).entries("tiles")
+        # With the fused update the row epilogue is timed too, and its tiles step the rows.
+        fused, _ = heads(big, device, tuning_cache=folder)
+        optimizer = torch.optim.SGD(fused.parameters(), lr=0.1, momentum=0.9)
+        fused.attach_fused_update(optimizer)
+        initial = fused.weight.detach().clone()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            fused(embeddings, labels).backward()
+        optimizer.step()
+        with_update = TuningCache(folder).entries("tiles")
     for a, b in zip(got, want, strict=True):
         assert_close_rel(a, b, 2e-2)
     assert [e["key"]["kernel"] for e in entries] == ["forward_keep"]  # chunk size None
-    kernel_tiles = tile_tuning._kernels().KernelTiles
+    assert sorted(e["key"]["kernel"] for e in with_update) == ["finish", "forward_keep"]
+    assert torch.isfinite(fused.weight).all() and not torch.equal(fused.weight, initial)
+    kernels = tile_tuning._kernels()
     said = ", ".join(
-        f"{e['key']['kernel']} {tile_tuning.describe(kernel_tiles(**e['tiles']))}" for e in entries
-    )
+        f"{e['key']['kernel']} " + tile_tuning.describe(
+            (kernels.FinishTiles if e["key"]["kernel"] == "finish" else kernels.KernelTiles)(
+                **e["tiles"]
+            )
+        )
+        for e in with_update
+    )  # fmt: skip
     return f"tuned tiles match the torch path: {said}"
 
 

@@ -81,19 +81,17 @@ from recognition.heads.kernels.host import (
     launch,
     launch_settings,
 )
-from recognition.heads.kernels.tiles import TileConfig, padded_dim
+from recognition.heads.kernels.tiles import FinishTiles, TileConfig, padded_dim
 from recognition.heads.traffic import phase
 
 # Logits per chunk: G holds at most this many values of the matmul dtype (128 MiB in bf16;
 # the rows' chunk of forward.CHUNK_ROW_VALUES bounds it too). A module constant rather than
 # an argument, so that tests can make chunks small.
 CHUNK_LOGITS = 1 << 26
-# Values of each (rows, D) tile the epilogue holds per program: 8,192 is 32 per thread at 8
-# warps for each of its few live tiles (U, the rows, the momentum, the result).
-FINISH_VALUES = 8192
-FINISH_WARPS = 8
-# Values of the kept logits per program of the pass that turns them into their gradient.
+# Values of the kept logits per program of the pass that turns them into their gradient
+# (tile shifts), and its warps. (The row epilogue's are `TileConfig.finish`.)
 SCALE_VALUES = 4096
+SCALE_WARPS = 8
 
 
 def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
@@ -254,7 +252,7 @@ def backward(inputs: BackwardInputs, tiles: TileConfig) -> tuple[Tensor, Tensor 
             with phase("row product"):
                 u = row_product(g_chunk, u_embeddings)  # (K_c, D): g / |w| of its rows
             with phase("update"):
-                _finish(x, u, grad_w, first, end)
+                _finish(x, u, grad_w, first, end, tiles.finish)
     if row_factor is not None:
         with phase("embedding product"):
             grad_e *= row_factor[:, None]
@@ -295,19 +293,21 @@ def _scale_kept(x: BackwardInputs, first: int, end: int) -> Tensor:
     launch(_scale_kept_kernel, grid,
         g_chunk, kept.tile_shift[first // kept.block_c :], x.inv_norm[first:end], x.shift,
         x.grad_scale, end - first, x.num_rows, g_chunk.stride(0), BLOCK_C=kept.block_c,
-        BLOCK_N=block_n, num_warps=FINISH_WARPS, num_stages=1,
+        BLOCK_N=block_n, num_warps=SCALE_WARPS, num_stages=1,
     )  # fmt: skip
     return g_chunk
 
 
-def _finish(x: BackwardInputs, u: Tensor, grad_w: Tensor | None, first: int, end: int) -> None:
-    """`_finish_kernel` over the chunk's rows: their gradient stored or their SGD step, and
-    (fused update) what the next step reads of them."""
+def _finish(
+    x: BackwardInputs, u: Tensor, grad_w: Tensor | None, first: int, end: int, tiles: FinishTiles
+) -> None:
+    """`_finish_kernel` over the chunk's rows on `tiles`: their gradient stored or their SGD
+    step, and (fused update) what the next step reads of them."""
     d_pad = padded_dim(x.dim)
-    finish_block = max(1, FINISH_VALUES // d_pad)
+    finish_block = tiles.block_c(d_pad)
     launch(_finish_kernel, (triton.cdiv(end - first, finish_block),),
         u, x.weight, x.index_arg, x.inv_norm, *x.update_args(grad_w), *x.kept_rows_args(),
         first, end, x.dim, x.weight.stride(0), grad_w.stride(0) if grad_w is not None else 0,
         float(x.norm_limit), float(x.eps), *x.update_scalars(), **x.update_flags(),
-        BLOCK_C=finish_block, D_PAD=d_pad, num_warps=FINISH_WARPS, num_stages=1,
+        BLOCK_C=finish_block, D_PAD=d_pad, num_warps=tiles.num_warps, num_stages=1,
     )  # fmt: skip

@@ -31,9 +31,11 @@ from recognition.heads.kernels import gemm_backward
 from recognition.heads.kernels.forward import KeptLogits, class_stats, inverse_norms
 from recognition.heads.kernels.host import BackwardInputs, RowSource
 from recognition.heads.kernels.tiles import (
+    FINISH_TILES,
     INTERPRET,
     INTERPRETER_TILES,
     OPERAND_KINDS,
+    FinishTiles,
     KernelTiles,
     SGDUpdate,
     TileConfig,
@@ -44,7 +46,8 @@ from recognition.heads.kernels.tiles import (
 )
 
 __all__ = [
-    "INTERPRET", "INTERPRETER_TILES", "OPERAND_KINDS", "KeptLogits", "KernelTiles", "RowSource",
+    "FINISH_TILES", "INTERPRET", "INTERPRETER_TILES", "OPERAND_KINDS", "FinishTiles", "KeptLogits",
+    "KernelTiles", "RowSource",
     "SGDUpdate", "TileConfig", "class_stats", "class_stats_backward", "default_tiles",
     "gpu_tiles", "input_precision", "inverse_norms", "padded_dim",
 ]  # fmt: skip

@@ -90,17 +90,45 @@ class KernelTiles:
 
 
 @dataclass(frozen=True)
+class FinishTiles:
+    """The backward's row epilogue (`gemm_backward._finish_kernel`): each program holds
+    (rows, D) tiles of `values` values - values / padded D class rows, at least one - on
+    `num_warps` warps. Its work is memory traffic (the rows, their momentum, U), no K-loop."""
+
+    values: int
+    num_warps: int
+
+    def check(self, name: str) -> None:
+        """Raise ValueError naming `name`.field when a value breaks the compiler's rules."""
+        if not isinstance(self.values, int) or self.values < 16 or self.values & (self.values - 1):
+            raise ValueError(f"{name}.values: must be a power of two >= 16, got {self.values!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{name}.num_warps: must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+
+    def block_c(self, d_pad: int) -> int:
+        """Class rows per program at padded dimension `d_pad`."""
+        return max(1, self.values // d_pad)
+
+
+# 32 values per thread of each of the epilogue's few live tiles (U, the rows, the momentum,
+# the result) at 8 warps: 16 class rows of D 512 a program.
+FINISH_TILES = FinishTiles(values=8192, num_warps=8)
+
+
+@dataclass(frozen=True)
 class TileConfig:
     """The forward kernel's tiles (the gradient-of-logits kernel runs on them too), its
     tiles when it keeps the logits for the backward (`forward_keep`: the store of a logits
-    tile takes registers; None: `forward`'s), and the programs its grid aims for; checked
-    when made (a bad value raises ValueError)."""
+    tile takes registers; None: `forward`'s), the programs its grid aims for, and the
+    backward's row epilogue's (`finish`); checked when made (a bad value raises
+    ValueError)."""
 
     forward: KernelTiles
     # Programs the forward aims for (row blocks x splits): a few per SM on a GPU; few on
     # the interpreter, which runs programs one after another.
     target_programs: int = 0
     forward_keep: KernelTiles | None = None
+    finish: FinishTiles = FINISH_TILES
 
     def __post_init__(self) -> None:
         if self.forward_keep is None:
@@ -113,6 +141,9 @@ class TileConfig:
             if not isinstance(tiles, KernelTiles):
                 raise ValueError(f"TileConfig.{name}: must be a KernelTiles, got {tiles!r}")
             tiles.check(f"TileConfig.{name}")
+        if not isinstance(self.finish, FinishTiles):
+            raise ValueError(f"TileConfig.finish: must be a FinishTiles, got {self.finish!r}")
+        self.finish.check("TileConfig.finish")
         if not isinstance(self.target_programs, int) or self.target_programs < 0:
             raise ValueError(
                 f"TileConfig.target_programs: must be an integer >= 0, got {self.target_programs!r}"

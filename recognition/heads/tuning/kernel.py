@@ -167,7 +167,7 @@ class KernelSelector:
     def _triton_stats(
         self, shard: ShardShape, x: StatsInputs, fused: FusedSGD | None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        tiles = self.triton_tiles(shard, x)
+        tiles = self.triton_tiles(shard, x, fused_update=fused is not None)
         return TritonClassStats.apply(
             x.norm_embeddings, shard.weight, x.row_index, x.target_row, x.scale,
             x.matmul_dtype, fused, tiles, shard.chunk_size is None, shard.kept_rows,
@@ -240,8 +240,11 @@ class KernelSelector:
         )  # fmt: skip
         return choice
 
-    def triton_tiles(self, shard: ShardShape, inputs: StatsInputs) -> Any:
-        """The kernels' TileConfig for this forward's shapes (timed on a GPU: tile_tuning)."""
+    def triton_tiles(
+        self, shard: ShardShape, inputs: StatsInputs, fused_update: bool = False
+    ) -> Any:
+        """The kernels' TileConfig for this forward's shapes (timed on a GPU: tile_tuning);
+        `fused_update`: its backward applies the update (the epilogue's tiles are timed)."""
         tile_tuning = importlib.import_module("recognition.heads.tuning.tiles")
         norm_embeddings, row_index = inputs.norm_embeddings, inputs.row_index
         shape = tile_tuning.TuneShape(
@@ -252,6 +255,7 @@ class KernelSelector:
             matmul_dtype=inputs.matmul_dtype,
             has_index=row_index is not None,
             keeps_logits=shard.chunk_size is None,
+            fused_update=fused_update,
         )
         return tile_tuning.tiles_for(norm_embeddings.device, shape, self.cache)
 

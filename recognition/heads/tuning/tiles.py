@@ -13,7 +13,9 @@ neighbours (one more pipeline stage, half the class or row block, more warps, a 
 over D, ...) whose register footprint (`footprint`: the fp32 values per thread of the tiles
 a program keeps live) is no larger than the table's - and the fastest is kept: in memory
 for the process, and in the tuning cache (`tuning/measure.py`, file `head-tiles.json`) for
-later runs, with every candidate's time. A candidate that does
+later runs, with every candidate's time. With the fused update the backward's row epilogue
+(`finish`: the values a program holds and its warps) is timed likewise on
+`FINISH_CANDIDATES`, stepping scratch rows and momentum as the update does. A candidate that does
 not launch (more shared memory than the GPU offers: Triton raises OutOfResources) or fails
 otherwise is dropped; the table's tiles stay when no candidate runs.
 
@@ -43,8 +45,9 @@ from recognition.heads.tuning import measure
 logger = logging.getLogger(__name__)
 
 # The kernels whose tiles are tuned: the forward, and the forward keeping its logits (a run
-# uses one of the two and tunes that one).
-KERNEL_NAMES = ("forward", "forward_keep")
+# uses one of the two and tunes that one), and with the fused update the backward's row
+# epilogue that applies it (`finish`).
+KERNEL_NAMES = ("forward", "forward_keep", "finish")
 MAX_CANDIDATES = 6  # the table's tiles included
 TUNE_CLASSES = 1 << 17  # scratch classes (fewer when the run has fewer)
 MIN_TUNED_WORK = 1 << 30  # N x classes x D below which the table's tiles are used untimed
@@ -73,15 +76,26 @@ class TuneShape:
     matmul_dtype: torch.dtype
     has_index: bool = False
     keeps_logits: bool = False
+    fused_update: bool = False
 
     @property
     def kernel(self) -> str:
-        """The kernel whose tiles a launch of this shape uses."""
+        """The forward kernel whose tiles a launch of this shape uses."""
         return "forward_keep" if self.keeps_logits else "forward"
+
+    @property
+    def kernels(self) -> list[str]:
+        """The kernels tuned for this shape: its forward, and with the fused update the row
+        epilogue (a fifth of the step at 1M classes on an H200: the rows and their momentum
+        read and written in fp32; without it the epilogue only writes a gradient)."""
+        return [self.kernel, "finish"] if self.fused_update else [self.kernel]
 
 
 def describe(tiles) -> str:
-    """'128x128x32 w8 s3': classes x rows x D step, warps, stages."""
+    """'128x128x32 w8 s3': classes x rows x D step, warps, stages; an epilogue's '8192
+    values w8'."""
+    if isinstance(tiles, _kernels().FinishTiles):
+        return f"{tiles.values} values w{tiles.num_warps}"
     return f"{tiles.block_c}x{tiles.block_n}x{tiles.block_d} w{tiles.num_warps} s{tiles.num_stages}"
 
 
@@ -148,6 +162,20 @@ def rounded_forward_candidates(table_tiles, matmul_dtype: torch.dtype, d_pad: in
     return list(dict.fromkeys(options))[:MAX_CANDIDATES]
 
 
+# The row epilogue's candidates after the table's (values, warps): at most 32 values per
+# thread of each live tile, as the table's (ptxas, sm_90, D 512: no spill), from 2 to 32 class
+# rows a program of D 512 - fewer warps or smaller programs leave more of them resident per
+# SM, larger ones fewer programs.
+FINISH_CANDIDATES = ((4096, 4), (4096, 8), (2048, 4), (2048, 2), (1024, 2))
+
+
+def finish_candidates(table_tiles) -> list:
+    """The table's epilogue tiles, then FINISH_CANDIDATES (MAX_CANDIDATES in all)."""
+    kernels = _kernels()
+    options = [table_tiles] + [kernels.FinishTiles(*values) for values in FINISH_CANDIDATES]
+    return list(dict.fromkeys(options))[:MAX_CANDIDATES]
+
+
 def _changes(tiles, table) -> int:
     return sum(getattr(tiles, f) != getattr(table, f) for f in asdict(table))
 
@@ -184,12 +212,12 @@ def tiles_for(
         return _CONFIGS[launch]
     timer = timer or (lambda run: measure.time_steps(run, device, repeats=5))
     chosen, problem = {}, None
-    for name in [shape.kernel]:
+    for name in shape.kernels:
         key = tile_key(name, device, shape)
         text = measure.key_text(key)
         tiles = _TUNED.get(text)
         if tiles is None:
-            tiles = _cached_tiles(cache, key)
+            tiles = _cached_tiles(cache, key, name)
         if tiles is None:
             # Outside the caller's autocast and autograd: the scratch problem is its own.
             with torch.autocast(device.type, enabled=False), torch.no_grad():
@@ -206,8 +234,8 @@ def tiles_for(
 
 def tile_key(kernel: str, device: torch.device, shape: TuneShape) -> dict:
     """What one kernel's tiles are cached under: device, versions and the shapes that
-    kernel's time depends on."""
-    return {
+    kernel's time depends on (the epilogue's: whether it keeps the rows' rounded copy)."""
+    key = {
         "kernel": kernel,
         "device": measure.device_name(device),
         **measure.software_versions(),
@@ -219,16 +247,23 @@ def tile_key(kernel: str, device: torch.device, shape: TuneShape) -> dict:
         "row_index": shape.has_index,
         "class_rows": "rounded",
     }
+    if kernel == "finish":
+        key["keeps_rows"] = shape.keeps_logits
+    return key
 
 
-def _cached_tiles(cache: measure.TuningCache | None, key: dict):
+def _cached_tiles(cache: measure.TuningCache | None, key: dict, kernel: str):
     entry = cache.get("tiles", key) if cache is not None else None
     if entry is None:
         return None
+    kernels = _kernels()
+    kind = kernels.FinishTiles if kernel == "finish" else kernels.KernelTiles
     try:
-        return _kernels().KernelTiles(**entry["tiles"])
-    except (KeyError, TypeError):
+        tiles = kind(**entry["tiles"])
+        tiles.check("cached tiles")
+    except (KeyError, TypeError, ValueError):
         return None
+    return tiles
 
 
 def tune_kernel(
@@ -237,11 +272,14 @@ def tune_kernel(
     """Time kernel `name` with each candidate (`options`, default
     `rounded_forward_candidates`; for the forward keeping its logits on a GPU that stores
     them through registers (its table's tiles are not the forward's: before sm_90), the
-    footprint rule's `candidates`, since larger tiles spill there). Returns the fastest
-    tiles (the table's when none ran) and every candidate's {"tiles", "ms", "error"}."""
+    footprint rule's `candidates`, since larger tiles spill there; for the row epilogue
+    `finish_candidates`). Returns the fastest tiles (the table's when none ran) and every
+    candidate's {"tiles", "ms", "error"}."""
     kernels = _kernels()
     table_tiles = getattr(table, name)
     d_pad = kernels.padded_dim(problem.shape.dim)
+    if options is None and name == "finish":
+        options = finish_candidates(table_tiles)
     if options is None and name == "forward_keep" and table.forward_keep != table.forward:
         options = candidates(d_pad, table_tiles)
     if options is None:
@@ -304,12 +342,49 @@ class ScratchProblem:
         target[shape.num_rows // 2 :] = -1  # rows whose label another rank owns
         self.target_pos = target.to(device)
         eps = max(1e-12, torch.finfo(shape.weight_dtype).tiny)
+        self.eps = eps
         self.inv_norm = kernels.inverse_norms(self.weight, self.row_index, eps)
+        self._update: tuple | None = None  # the epilogue's inputs, made at its first run
+
+    def _update_inputs(self) -> tuple:
+        """What the row epilogue takes as a training step's fused update hands it (SGD with
+        momentum, gated, the target rows' share, the rows' inverse norms and - when the
+        forward keeps its logits - their rounded copy kept current), and a U of every
+        scratch class in the row product's dtype. Its runs step the scratch rows."""
+        kernels = _kernels()
+        host = importlib.import_module("recognition.heads.kernels.host")
+        shape, device = self.shape, self.weight.device
+        num_rows, dim = self.embeddings.shape
+        buffer = torch.zeros(self.weight.shape, dtype=torch.float32, device=device)
+        step_ok = torch.ones((), dtype=torch.bool, device=device)
+        sgd = kernels.SGDUpdate(0.01, 0.9, 5e-4, False, buffer, step_ok)
+        all_inv_norm = kernels.inverse_norms(self.weight, None, self.eps)
+        rounded = None
+        if shape.keeps_logits and shape.weight_dtype != shape.matmul_dtype:
+            rounded = self.weight.to(shape.matmul_dtype)
+        zeros = torch.zeros(num_rows, dtype=torch.float32, device=device)
+        inputs = host.BackwardInputs(
+            self.embeddings, self.weight, self.row_index, self.inv_norm, self.target_pos,
+            zeros, zeros, SCALE, shape.matmul_dtype, True,
+            torch.zeros(num_rows, dim, dtype=torch.float32, device=device), sgd,
+            1.0 / self.eps, None, None, (rounded, all_inv_norm),
+        )  # fmt: skip
+        u_dtype = torch.bfloat16 if shape.matmul_dtype == torch.bfloat16 else torch.float32
+        u = torch.randn(self.inv_norm.shape[0], dim, device=device).mul_(1e-3).to(u_dtype)
+        return inputs, u
 
     def run(self, name: str, tiles) -> None:
-        """One launch of kernel `name` (the forward, keeping its logits or not) at `tiles`."""
+        """One launch of kernel `name` (the forward, keeping its logits or not, or the row
+        epilogue) with `tiles` (a TileConfig)."""
         if name not in KERNEL_NAMES:
             raise ValueError(f"ScratchProblem.run: unknown kernel {name!r}")
+        if name == "finish":
+            if self._update is None:
+                self._update = self._update_inputs()
+            inputs, u = self._update
+            gemm_backward = importlib.import_module("recognition.heads.kernels.gemm_backward")
+            gemm_backward._finish(inputs, u, None, 0, inputs.num_classes, tiles.finish)
+            return
         common = (self.embeddings, self.weight, self.row_index, self.inv_norm, self.target_pos)
         keep = name == "forward_keep"
         _kernels().class_stats(*common, SCALE, self.shape.matmul_dtype, tiles, keep=keep)
