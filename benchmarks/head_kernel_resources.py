@@ -261,7 +261,7 @@ def measure(
     finish_candidates: bool = False,
 ) -> list[Resources]:
     """Resources of every kernel variant (or those named in `variants`) per configuration;
-    `finish_candidates`: instead, the row epilogue's variants that hold the most (the fused
+    `finish_candidates`: also the row epilogue's variants that hold the most (the fused
     update with Nesterov momentum, keeping the rows' copy) at every tile the tuner tries."""
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("triton was imported to interpret kernels: run this in a new process")
@@ -276,8 +276,8 @@ def measure(
 
 def epilogue_candidates(launches: list[Launch], dim: int) -> list[Launch]:
     """The row epilogue's launches that hold the most (fused Nesterov momentum, the rows'
-    copy kept), one per tile the tuner tries (heads/tuning/tiles.py: the table's and
-    FINISH_CANDIDATES)."""
+    copy kept), one per tile the tuner tries besides the table's (heads/tuning/tiles.py:
+    FINISH_CANDIDATES; `launches` has the table's)."""
     import dataclasses
 
     from recognition.heads.kernels import margin_softmax_triton as kernels
@@ -293,7 +293,7 @@ def epilogue_candidates(launches: list[Launch], dim: int) -> list[Launch]:
             num_warps=tiles.num_warps,
         )  # fmt: skip
         for x in heaviest
-        for tiles in finish_candidates(kernels.FINISH_TILES)
+        for tiles in finish_candidates(kernels.FINISH_TILES)[1:]
     ]
 
 
@@ -315,7 +315,7 @@ def _measure(
                     dim, weight_dtype, matmul_name, num_rows, num_sms, capability
                 )
                 if finish_candidates:
-                    launches = epilogue_candidates(launches, dim)
+                    launches = launches + epilogue_candidates(launches, dim)
                 for launch in launches:
                     if variants is not None and launch.name not in variants:
                         continue
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sms", type=int, default=132, help="SMs of the GPU (grid sizes)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--finish-candidates", action="store_true",
-                        help="the row epilogue at every tile the tuner tries instead")  # fmt: skip
+                        help="also the row epilogue at every tile the tuner tries")  # fmt: skip
     args = parser.parse_args(argv)
     results = measure(
         args.dims, args.weight_dtypes, args.matmul_dtypes, capability=args.capability,
