@@ -243,7 +243,7 @@ def class_stats(
         launch(_forward_kernel, (row_blocks, num_splits),
             chunk_rows, mm_embeddings, inv_norm[first:end], target_pos - first, part_max,
             part_sum, *kept_args, end - first, num_rows, dim, chunk_rows.stride(0),
-            mm_embeddings.stride(0), float(scale), per_split, shift or 0.0,
+            mm_embeddings.stride(0), float(scale), per_split, 0.0 if shift is None else shift,
             KEEP=kept is not None, FIXED=shift is not None, **settings,
         )  # fmt: skip
         del chunk_rows

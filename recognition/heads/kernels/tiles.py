@@ -62,6 +62,11 @@ TORCH_TO_TRITON = {
 }
 
 
+def _check_num_warps(name: str, num_warps: object) -> None:
+    if num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{name}.num_warps: must be 1, 2, 4, 8 or 16, got {num_warps!r}")
+
+
 @dataclass(frozen=True)
 class KernelTiles:
     """Block sizes and launch settings of one kernel.
@@ -83,8 +88,7 @@ class KernelTiles:
             value = getattr(self, field)
             if not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"{name}.{field}: must be a power of two >= 16, got {value!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"{name}.num_warps: must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        _check_num_warps(name, self.num_warps)
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"{name}.num_stages: must be an integer >= 1, got {self.num_stages!r}")
 
@@ -102,8 +106,7 @@ class FinishTiles:
         """Raise ValueError naming `name`.field when a value breaks the compiler's rules."""
         if not isinstance(self.values, int) or self.values < 16 or self.values & (self.values - 1):
             raise ValueError(f"{name}.values: must be a power of two >= 16, got {self.values!r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"{name}.num_warps: must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        _check_num_warps(name, self.num_warps)
 
     def block_c(self, d_pad: int) -> int:
         """Class rows per program at padded dimension `d_pad`."""

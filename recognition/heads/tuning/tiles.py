@@ -365,9 +365,9 @@ class ScratchProblem:
         zeros = torch.zeros(num_rows, dtype=torch.float32, device=device)
         inputs = host.BackwardInputs(
             self.embeddings, self.weight, self.row_index, self.inv_norm, self.target_pos,
-            zeros, zeros, SCALE, shape.matmul_dtype, True,
-            torch.zeros(num_rows, dim, dtype=torch.float32, device=device), sgd,
-            1.0 / self.eps, None, None, (rounded, all_inv_norm),
+            row_max=zeros, grad_sumexp=zeros, scale=SCALE, matmul_dtype=shape.matmul_dtype,
+            target_grad=torch.zeros(num_rows, dim, dtype=torch.float32, device=device),
+            sgd=sgd, norm_limit=1.0 / self.eps, kept_rows=(rounded, all_inv_norm),
         )  # fmt: skip
         u_dtype = torch.bfloat16 if shape.matmul_dtype == torch.bfloat16 else torch.float32
         u = torch.randn(self.inv_norm.shape[0], dim, device=device).mul_(1e-3).to(u_dtype)
