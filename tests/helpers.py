@@ -198,3 +198,18 @@ def has_mask(indices) -> bool:
         isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
         for i in (indices or [])
     )
+
+
+class RecordedKernel:
+    """Stands in for a @triton.jit kernel: each launch `kernel[grid](*args, **kwargs)` calls
+    `record(grid, kwargs)` and then launches the kernel itself."""
+
+    def __init__(self, kernel, record) -> None:
+        self.kernel, self.record = kernel, record
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.record(grid, kwargs)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch

@@ -24,6 +24,7 @@ import logging  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from helpers import RecordedKernel  # noqa: E402
 from test_head import (  # noqa: E402
     MARGIN_CASES,
     assert_close_rel,
@@ -180,17 +181,10 @@ def test_the_row_epilogue_steps_the_rows_alike_on_any_of_its_tiles(monkeypatch):
     # the sum's order follows the warps). The tiles are honoured: 2 class rows a program.
     kernels = triton_stats.triton_kernels()
     blocks = []
-    real = gemm_backward._finish_kernel
-
-    class Recorded:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                blocks.append(kwargs["BLOCK_C"])
-                return real[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(gemm_backward, "_finish_kernel", Recorded())
+    recorded = RecordedKernel(
+        gemm_backward._finish_kernel, lambda grid, kwargs: blocks.append(kwargs["BLOCK_C"])
+    )
+    monkeypatch.setattr(gemm_backward, "_finish_kernel", recorded)
     results = []
     for finish in (kernels.FINISH_TILES, kernels.FinishTiles(64, 1)):
         config = dataclasses.replace(kernels.INTERPRETER_TILES, finish=finish)

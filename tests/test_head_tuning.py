@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from helpers import RecordedKernel
 from test_head import assert_close_rel, make_batch, run_head
 
 from recognition.heads import ShardedMarginSoftmax, build_head, triton_stats
@@ -314,7 +315,7 @@ def test_tuning_keeps_the_fastest_candidate_that_runs(tiling, kernel):
     assert timings[2]["error"] == "RuntimeError: OutOfResources: out of resource: shared memory"
 
 
-def test_the_row_epilogue_is_timed_on_its_candidates_and_the_fastest_kept(tiling):
+def test_the_row_epilogue_is_timed_on_its_candidates_and_the_fastest_kept(tiling, monkeypatch):
     # With the fused update the backward's row epilogue (its tiles: values a program holds,
     # warps) is timed too: each candidate launches the epilogue over the scratch classes with
     # its own classes per program and warps, as a fused update with momentum runs it (the
@@ -331,26 +332,17 @@ def test_the_row_epilogue_is_timed_on_its_candidates_and_the_fastest_kept(tiling
     assert shape.kernels == ["forward_keep", "finish"]
     problem = tiling.ScratchProblem(torch.device("cpu"), shape)
     launches = []
-    real = gemm_backward._finish_kernel
-
-    class Recorded:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append((grid[0], kwargs["BLOCK_C"], kwargs["num_warps"]))
-                return real[grid](*args, **kwargs)
-
-            return launch
-
+    recorded = RecordedKernel(
+        gemm_backward._finish_kernel,
+        lambda grid, kwargs: launches.append((grid[0], kwargs["BLOCK_C"], kwargs["num_warps"])),
+    )
+    monkeypatch.setattr(gemm_backward, "_finish_kernel", recorded)
     before = problem.weight.clone()
     small, large = kernels.FinishTiles(64, 1), kernels.FinishTiles(512, 2)
     answers = iter([2e-3, 1e-3])
-    gemm_backward._finish_kernel = Recorded()
-    try:
-        best, timings = tiling.tune_kernel(
-            "finish", problem, table, lambda run: run() or next(answers), [small, large]
-        )
-    finally:
-        gemm_backward._finish_kernel = real
+    best, timings = tiling.tune_kernel(
+        "finish", problem, table, lambda run: run() or next(answers), [small, large]
+    )
     assert best == large and [t["ms"] for t in timings] == [2.0, 1.0]
     # 40 classes at D 24 (padded to 32): 2 and then 16 class rows a program.
     assert launches == [(20, 2, 1), (3, 16, 2)]
