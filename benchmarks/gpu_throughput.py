@@ -60,9 +60,12 @@ def section_throughput(run: SectionRun) -> None:
     model = train_throughput.measure_model(cfg, device, plan.identities, plan.steps, plan.warmup)
     _model_row(run, "model only, eager", model, matmul)
     # The cheap rows first (seconds each), then by what the next decision needs: the captured
-    # eager step, the compiled rows (each measured on a GPU once or never), the end-to-end
-    # runs (twice, steady), the other backbone families last: a section short of time loses
-    # the rows the last runs already settled.
+    # eager step, the compiled rows (each measured on a GPU once or never), decode=gpu end to
+    # end (its target missed), compile_mode=reduce-overhead (the other capture, after
+    # train.cuda_graphs' with compile), decode=cpu (met twice), the other backbone families
+    # last: a section short of time loses the rows the last runs already settled. (The
+    # compiled rows take about 190 s of the 240-250 the section is left on an H200: with
+    # reduce-overhead before them, the decode=gpu rows would be the ones skipped.)
     if run.time_left() < 15:
         run.skip("memory plan of the eager step", "no time left in the section")
     else:
@@ -73,7 +76,7 @@ def section_throughput(run: SectionRun) -> None:
     _variant_rows(run, plan, base, device, matmul, eager, train_throughput, VARIANT_ROWS[:1])
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the compiled and end-to-end runs are processes of their own
-    _compiled_rows(run, plan, base, matmul, eager)
+    _compiled_rows(run, plan, base, matmul, eager, COMPILED_ROWS[:-1])
     # GPU decoding with the step captured, against the captured model-only row: on the H200
     # decode=gpu kept x0.930 of model only, its decoding thread's host work (nvJPEG calls,
     # the device augmentation's launches) contending for the interpreter with a training
@@ -82,17 +85,19 @@ def section_throughput(run: SectionRun) -> None:
                      r["data"].get("captured")), None)  # fmt: skip
     _end_to_end(run, plan, folder, base, "gpu", (captured or model)["images_per_s"],
                 train_throughput, graphs=True)  # fmt: skip
-    for decode in ("gpu", "cpu"):
-        _end_to_end(run, plan, folder, base, decode, eager, train_throughput)
+    _end_to_end(run, plan, folder, base, "gpu", eager, train_throughput)
+    _compiled_rows(run, plan, base, matmul, eager, COMPILED_ROWS[-1:])
+    _end_to_end(run, plan, folder, base, "cpu", eager, train_throughput)
     _variant_rows(run, plan, base, device, matmul, eager, train_throughput, VARIANT_ROWS[1:])
 
 
 def _compiled_rows(run: SectionRun, plan: ThroughputPlan, base: list[str], matmul: float,
-                   eager: float) -> None:  # fmt: skip
-    """COMPILED_ROWS, each in a process of its own: a capture that fails leaves torch's CUDA
-    generator registered to it, and every later random draw in that process fails (on the
-    H200, the row after a failed capture: "Offset increment outside graph capture")."""
-    for overrides, what, kind in COMPILED_ROWS:
+                   eager: float, rows: tuple) -> None:  # fmt: skip
+    """`rows` of COMPILED_ROWS, each in a process of its own: a capture that fails leaves
+    torch's CUDA generator registered to it, and every later random draw in that process
+    fails (on the H200, the row after a failed capture: "Offset increment outside graph
+    capture")."""
+    for overrides, what, kind in rows:
         if run.smoke:
             run.skip(what, "on a GPU only (inductor takes minutes on a CPU)")
             continue
@@ -161,6 +166,7 @@ COMPILED_ROWS = (  # most valuable first; kind: "cold" compiles graphs no row be
      "model only, compiled by blocks, step captured", "reused"),
     # The first row again in a new process, as a second run on one machine finds the caches.
     (("train.compile_scope=model",), "model only, compiled, warm cache", "cache"),
+    # Measured after the decode=gpu rows (throughput's order): the last of them.
     (("train.compile_mode=reduce-overhead",), "model only, compiled, CUDA graphs", "cold"),
 )  # fmt: skip
 # Seconds a row needs (a process's start, its compile, 25 steps): the H200 took 51 s for the

@@ -339,7 +339,8 @@ def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
         assert row["status"] == "ok" and row["data"]["ms"] is None, row
         assert row["data"]["bytes_read"] > 0 and row["data"]["bytes_written"] > 0, row
     throughput = rows_of(report, "throughput")
-    # The cheap rows, the captured step, the compiled rows, end to end, the other families.
+    # The cheap rows, the captured step, the compiled rows, decode=gpu end to end, the
+    # compiled row of reduce-overhead, decode=cpu end to end, the other families.
     assert list(throughput) == [
         "model only, eager", "memory plan of the eager step",
         "aten operations per step (CPU count)",
@@ -348,8 +349,8 @@ def test_smoke_measures_the_head_the_throughput_and_a_training_run(smoke):
         "model only, eager, CUDA graphs", "model only, compiled",
         "model only, compiled, step captured", "model only, compiled by blocks",
         "model only, compiled by blocks, step captured", "model only, compiled, warm cache",
-        "model only, compiled, CUDA graphs", "end to end, data.decode=gpu, CUDA graphs",
-        "end to end, data.decode=gpu", "end to end, data.decode=cpu",
+        "end to end, data.decode=gpu, CUDA graphs", "end to end, data.decode=gpu",
+        "model only, compiled, CUDA graphs", "end to end, data.decode=cpu",
         "model only, eager, mbf", "model only, eager, vit_b", "model only, eager, O2",
     ]  # fmt: skip
     ops = throughput["aten operations per step (CPU count)"]
