@@ -64,7 +64,7 @@ def section_throughput(run: SectionRun) -> None:
     # end (its target missed), compile_mode=reduce-overhead (the other capture, after
     # train.cuda_graphs' with compile), decode=cpu (met twice), the other backbone families
     # last: a section short of time loses the rows the last runs already settled. (The
-    # compiled rows take about 190 s of the 240-250 the section is left on an H200: with
+    # compiled rows take about 190 s of the 215-250 the section is left on an H200: with
     # reduce-overhead before them, the decode=gpu rows would be the ones skipped.)
     if run.time_left() < 15:
         run.skip("memory plan of the eager step", "no time left in the section")
