@@ -52,7 +52,9 @@ def section_throughput(run: SectionRun) -> None:
     device = torch.device("cuda" if run.gpu else "cpu")
     spec = SyntheticSpec.training_set(plan.identities, plan.per_identity, plan.image_size)
     folder = ensure_synthetic_dataset(run.scratch / "jpegs", spec) / "train"
-    base = [*plan.overrides, f"train.device={device.type}", "eval.targets=[]", "eval.at_end=false"]
+    # Eager unless a row says otherwise (train.cuda_graphs=true): its default may change.
+    base = [*plan.overrides, f"train.device={device.type}", "eval.targets=[]", "eval.at_end=false",
+            "train.cuda_graphs=false"]  # fmt: skip
 
     cfg = load_config(plan.config, [*base, "train.compile=false"])
     matmul = train_throughput.matmul_tflops(device, train_throughput.matmul_dtype(cfg, device))
@@ -257,7 +259,8 @@ def _variant_rows(run: SectionRun, plan: ThroughputPlan, base: list[str], device
             run.skip(what, "on a GPU only (CUDA graphs)")
             continue
         try:
-            cfg = load_config(plan.config, [*base, *overrides, "train.compile=false"])
+            cfg = load_config(plan.config, [*base, "train.cuda_graphs=false", *overrides,
+                                            "train.compile=false"])  # fmt: skip
             model = train_throughput.measure_model(
                 cfg, device, plan.identities, plan.steps, plan.warmup
             )
