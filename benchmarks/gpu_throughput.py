@@ -52,9 +52,7 @@ def section_throughput(run: SectionRun) -> None:
     device = torch.device("cuda" if run.gpu else "cpu")
     spec = SyntheticSpec.training_set(plan.identities, plan.per_identity, plan.image_size)
     folder = ensure_synthetic_dataset(run.scratch / "jpegs", spec) / "train"
-    # Eager unless a row says otherwise (train.cuda_graphs=true): its default may change.
-    base = [*plan.overrides, f"train.device={device.type}", "eval.targets=[]", "eval.at_end=false",
-            "train.cuda_graphs=false"]  # fmt: skip
+    base = base_overrides(plan, device.type)
 
     cfg = load_config(plan.config, [*base, "train.compile=false"])
     matmul = train_throughput.matmul_tflops(device, train_throughput.matmul_dtype(cfg, device))
@@ -91,6 +89,14 @@ def section_throughput(run: SectionRun) -> None:
     _compiled_rows(run, plan, base, matmul, eager, COMPILED_ROWS[-1:])
     _end_to_end(run, plan, folder, base, "cpu", eager, train_throughput)
     _variant_rows(run, plan, base, device, matmul, eager, train_throughput, VARIANT_ROWS[1:])
+
+
+def base_overrides(plan: ThroughputPlan, device_type: str) -> list[str]:
+    """The overrides every row of the section starts from: the plan's, on `device_type`, no
+    evaluation, and eager unless a row says otherwise (train.cuda_graphs=true; its default
+    may change)."""
+    return [*plan.overrides, f"train.device={device_type}", "eval.targets=[]",
+            "eval.at_end=false", "train.cuda_graphs=false"]  # fmt: skip
 
 
 def _compiled_rows(run: SectionRun, plan: ThroughputPlan, base: list[str], matmul: float,

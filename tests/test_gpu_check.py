@@ -562,7 +562,7 @@ def smoke_throughput(tmp_path: Path, device: str = "cpu"):
                                   time.monotonic() + 600, tmp_path / "rows.json",
                                   scratch=tmp_path)  # fmt: skip
     plan = gpu_throughput.throughput_plan(run)
-    base = [*plan.overrides, f"train.device={device}", "eval.targets=[]", "eval.at_end=false"]
+    base = gpu_throughput.base_overrides(plan, device)
     return run, plan, base, load_config(plan.config, [*base, "train.compile=false"])
 
 
