@@ -830,7 +830,7 @@ def test_the_exit_is_timed_from_train_pys_last_line():
 def test_the_captured_step_row_is_held_to_the_issues_rate_and_fails_if_run_eagerly(tmp_path):
     """The `model only, eager, CUDA graphs` row (known measurements, a GPU run): held to 6,000
     images/s where the other variant rows have no target, and failed when the step was not
-    captured (train.cuda_graphs refused it)."""
+    captured (train.cuda_graphs refused it); the other rows measure the eager step."""
     import types
 
     import torch
@@ -848,7 +848,9 @@ def test_the_captured_step_row_is_held_to_the_issues_rate_and_fails_if_run_eager
     for captures in (True, False):
         run = gpu_sections.SectionRun("throughput", False, {"gpus": 1}, time.monotonic() + 600,
                                       tmp_path / "rows.json")  # fmt: skip
-        gpu_throughput._variant_rows(run, plan, [], torch.device("cuda"), 1000.0, 5000.0, fake)
+        # A base (or a default) with graphs on: the other rows are eager all the same.
+        gpu_throughput._variant_rows(run, plan, ["train.cuda_graphs=true"], torch.device("cuda"),
+                                     1000.0, 5000.0, fake)  # fmt: skip
         rows = {row["what"]: row for row in run.rows}
         graphs = rows["model only, eager, CUDA graphs"]
         if captures:
