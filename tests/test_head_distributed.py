@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -274,17 +275,23 @@ def worker(rank, world_size, rendezvous, out_dir, checks):
 
 
 def assert_checks_pass_on_ranks(world_size, tmp_path, checks):
-    """Run each of `checks` (check, rank, world size) on `world_size` gloo ranks."""
+    """Run each of `checks` (check, rank, world size) on `world_size` gloo ranks.
+
+    Each call rendezvouses in a file of its own: the ranks leave with os._exit, so a file
+    store's file outlives them, and a second group on the same file could read the first's
+    addresses (a test calling this twice in one folder failed so, now and then: "Connection
+    refused" from gloo's full mesh)."""
+    folder = Path(tempfile.mkdtemp(prefix=f"w{world_size}-", dir=tmp_path))
     mp.spawn(
         worker,
-        args=(world_size, str(tmp_path / "rendezvous"), str(tmp_path), checks),
+        args=(world_size, str(folder / "rendezvous"), str(folder), checks),
         nprocs=world_size,
         join=True,
     )
     failures = []
     for rank in range(world_size):
         failures += [
-            f"rank {rank}: {f}" for f in json.loads((tmp_path / f"rank{rank}.json").read_text())
+            f"rank {rank}: {f}" for f in json.loads((folder / f"rank{rank}.json").read_text())
         ]
     assert not failures, "\n".join(failures[:20]) + f"\n({len(failures)} failures)"
 
